@@ -64,6 +64,7 @@ LAYOUTS: list[tuple[str, bool, dict[str, Any]]] = [
     ("dp=2,fsdp=2,tp=2", False, {}),
     ("dp=2,ep=4", True, {}),
     ("pp=2,dp=2,tp=2", False, {"num_microbatches": 8}),
+    ("pp=2,dp=2,tp=2", False, {"num_microbatches": 8, "pipeline_repeats": 2}),
 ]
 """(layout, MoE variant, `Layout` options): the benchmarked layouts."""
 
@@ -467,18 +468,14 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
         "",
         "Bytes: what each device sends per step under ring algorithms, read from the compiled "
         "programs. Minimum: the analytical minimum of equishard's algorithm "
-        "(`equishard.report.gpt_minimum`); ideal: the textbook figure (no pipeline bubble, no "
-        "recomputation by FSDP's re-gather).",
+        "(`equishard.report.gpt_minimum`); ideal: the textbook figure (no pipeline bubble).",
         "",
         "| layout | equishard ms | GSPMD ms | GSPMD / equishard | equishard MiB | GSPMD MiB | minimum MiB | equishard / minimum | equishard / ideal |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in layouts:
-        name = r["layout"] + (" (MoE)" if r["moe"] else "") + (
-            f" (M={r['options']['num_microbatches']})" if "num_microbatches" in r["options"] else ""
-        )
         lines.append(
-            f"| {name} | {r['equishard_step_s'] * 1e3:.0f} | {r['gspmd_step_s'] * 1e3:.0f} | "
+            f"| {_row_name(r)} | {r['equishard_step_s'] * 1e3:.0f} | {r['gspmd_step_s'] * 1e3:.0f} | "
             f"{r['gspmd_step_s'] / r['equishard_step_s']:.2f} | {_mib(r['equishard_bytes'])} | "
             f"{_mib(r['gspmd_bytes'])} | {_mib(r['minimum_bytes'])} | "
             f"{r['equishard_over_minimum']:.3f} | {r['equishard_over_ideal']:.3f} |"
@@ -496,7 +493,7 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
             f"{r['equishard_bytes_by_kind'].get(k, 0) / MIB:.2f} / {r['gspmd_bytes_by_kind'].get(k, 0) / MIB:.2f}"
             for k in kinds
         ]
-        lines.append(f"| {r['layout']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_row_name(r)} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Memory and compilation",
@@ -511,7 +508,7 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
     for r in layouts:
         em, gm = r["equishard_memory"], r["gspmd_memory"]
         lines.append(
-            f"| {r['layout']} | {_mib(em['argument_bytes'])} | {_mib(gm['argument_bytes'])} | "
+            f"| {_row_name(r)} | {_mib(em['argument_bytes'])} | {_mib(gm['argument_bytes'])} | "
             f"{_mib(em['temp_bytes'])} | {_mib(gm['temp_bytes'])} | "
             f"{r['equishard_lower_s'] + r['equishard_compile_s']:.1f} | "
             f"{r['gspmd_lower_s'] + r['gspmd_compile_s']:.1f} |"
@@ -553,16 +550,32 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
     return "\n".join(lines) + "\n"
 
 
+def _row_name(r: dict[str, Any]) -> str:
+    """`pp=2,dp=2,tp=2 (GPipe, M=8)`: the layout with what distinguishes its row."""
+    options = r["options"]
+    name = r["layout"] + (" (MoE)" if r["moe"] else "")
+    if "num_microbatches" in options:
+        repeats = options.get("pipeline_repeats", 1)
+        schedule = "GPipe" if repeats == 1 else f"circular R={repeats}"
+        name += f" ({schedule}, M={options['num_microbatches']})"
+    return name
+
+
 NOTES = """## Notes
 
 - **Where equishard sends more than the textbook minimum**, the analytical minimum
-  names the term: with FSDP and tensor parallelism together, FSDP's re-gather
-  recomputes each unit's forward in the backward pass (as `jax.checkpoint` would), which
-  repeats one forward all-reduce per unit; a pipeline's SPMD schedule runs
-  `T = R·M + S − 1` steps, and every device runs its stage and sends its output at each,
-  bubble steps included, where a bubble-free pipeline sends `R·M` times. Both are
-  properties of equishard's algorithms, stated with their formulas in
-  `equishard.report`'s documentation, not constants fitted to the measurement.
+  names the term: a pipeline's SPMD schedule runs `T = R·M + S − 1` steps and every
+  device runs its stage at each, bubble steps included, so the stage's tensor-parallel
+  all-reduces run `T` times where a bubble-free pipeline runs them `R·M` times
+  (`(S − 1)/(R·M)` more: 1/8 for GPipe with M = 8, 1/16 for the circular schedule with
+  two stages per device). The activations themselves are sent `T − 1` times, which with
+  two stages is the textbook `R·M`. In a bubble the devices of a stage would otherwise
+  idle, so these bytes cost link time that no useful transfer wanted; the formulas are
+  in `equishard.report`'s documentation, not constants fitted to the measurement.
+- **FSDP with tensor parallelism** sends exactly the textbook bytes: FSDP's re-gather
+  recomputes each unit's forward in the backward pass but keeps the outputs of the
+  unit's tensor-parallel all-reduces (a `jax.checkpoint` policy inside the re-gathering
+  custom VJP), so they are not sent twice.
 - **GSPMD's bytes** are what XLA's partitioner chose for the same annotations (the
   parameters' specs and the batch's, no constraints on activations, as a plain `jax.jit`
   user writes them). Where a weight is split over `fsdp` along a dimension that is not

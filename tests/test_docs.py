@@ -217,8 +217,8 @@ def test_pipeline():
         assert abs(loss - reference) <= 1e-4 * abs(reference), line
         assert "gradients equal: True" in line
         assert "all-gather" not in line and "all-to-all" not in line
-    assert "{'collective-permute': 22, " in runs[0]  # 2 (M + S - 1)
-    assert "{'collective-permute': 38, " in runs[1]  # 2 (R M + S - 1)
+    assert "{'collective-permute': 20, " in runs[0]  # 2 (M + S - 2)
+    assert "{'collective-permute': 36, " in runs[1]  # 2 (R M + S - 2)
 
 
 def test_training_resumes_on_another_layout():
@@ -247,7 +247,7 @@ def test_multihost_equals_one_process():
 
 def test_inspect_and_plan():
     out = run_example("inspect_and_plan.py")
-    ratios = [float(r) for r in re.findall(r"^measured .* = (\d+\.\d+) \(over", out, re.M)]
+    ratios = [float(r) for r in re.findall(r"^measured .* = (\d+\.\d+)", out, re.M)]
     assert ratios == [1.0, 1.0]  # inspect and plan: the compiled steps send the minimum
     assert "by axes: fsdp " in out and "fsdp=16, tp=4" in out
     assert re.search(r"peak per device .* of 16\.00 GiB: fits", out)

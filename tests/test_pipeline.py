@@ -136,11 +136,12 @@ def _check_permutes_only(compiled, pp, num_microbatches, repeats, batch):
     permutes = [op for op in ops if op.kind == "collective-permute"]
     others = [op for op in ops if op.kind != "collective-permute"]
     assert not any(op.kind == "all-gather" for op in ops)
-    # The ring shift of the forward pass and its transpose in the backward pass.
+    # The ring shift of the forward pass and its transpose in the backward pass, on
+    # every step but the last (whose output stays on the last stage).
     assert len(permutes) == 2, [str(op) for op in ops]
     for op in permutes:
         assert op.group_size == pp
-        assert op.count == steps
+        assert op.count == steps - 1
         assert op.operand_shapes == (("f32", (batch // num_microbatches, T, D)),)
     assert len(others) == 1 and others[0].kind == "all-reduce", [str(op) for op in ops]
     assert others[0].operand_shapes == (("f32", ()),)

@@ -161,7 +161,9 @@ CASES = [  # the pipeline is measured by `inspect` below
 def test_gpt_bytes_equal_the_minimum_of_equishards_algorithm(spec, options, config):
     r, facts = gpt_report(config, Layout(spec, **options), batch_size=8, seq_len=32)
     assert r.ratio == pytest.approx(1.0, rel=1e-6), str(r)
-    assert r.minimum is not None and r.minimum.total <= r.minimum.ideal_total * 1.35
+    # Without a pipeline that is the textbook figure: FSDP's re-gather does not send
+    # the tensor-parallel all-reduces again.
+    assert r.minimum is not None and r.minimum.total == r.minimum.ideal_total
     # Every collective is named by its mesh axes; each term's axes appear measured.
     assert all(c.axes is not None for c in r.collectives)
     measured = r.bytes_by_axes()
@@ -178,9 +180,16 @@ def test_pipeline_minimum_names_the_bubble():
     m = gpt_minimum(TINY, layout, batch_size=8, seq_len=32)
     (sends,) = [t for t in m.terms if t.kind == "collective-permute"]
     activation = 8 // 4 * 32 * 64 * F32  # [B/dp, S, D]
-    # T = M + S - 1 = 5 steps, each sending A/M forward and backward; textbook: M.
-    assert sends.bytes == 2 * 5 * activation / 4
+    # T = M + S - 1 = 5 steps, all but the last sending A/M forward and backward:
+    # with two stages exactly the textbook M.
+    assert sends.bytes == 2 * 4 * activation / 4
     assert sends.ideal_bytes == pipeline_minimum(activation, 4) == 2 * activation
+    deep = dataclasses.replace(TINY, n_layers=4)
+    m = gpt_minimum(deep, Layout("pp=4,dp=2", num_microbatches=4), batch_size=8, seq_len=32)
+    (sends,) = [t for t in m.terms if t.kind == "collective-permute"]
+    activation = 8 // 2 * 32 * 64 * F32
+    # Four stages: T - 1 = 6 sends where the textbook has M = 4.
+    assert sends.bytes == 2 * 6 * activation / 4 and sends.ideal_bytes == 2 * activation
 
 
 # --------------------------------------------------------------- replica groups
@@ -293,7 +302,7 @@ def test_inspect_prints_the_report_of_a_pipeline(capsys):
     assert "Analytical minimum" in out and "Memory per device" in out and "Parameters:" not in out
     # T = M + S - 1 = 5 pipeline steps where a bubble-free pipeline runs 4: over the
     # textbook figure, exactly equishard's minimum.
-    found = re.search(r"= ([\d.]+) \(over the bubble- and recompute-free textbook figure: ([\d.]+)\)", out)
+    found = re.search(r"= ([\d.]+) \(over the bubble-free textbook figure: ([\d.]+)\)", out)
     assert found is not None
     ratio, ideal = found.groups()
     assert float(ratio) == 1.0 and float(ideal) > 1.0

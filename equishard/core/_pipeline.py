@@ -401,16 +401,14 @@ def _run_schedule(
     stage = jax.lax.axis_index(model_axis_name)
     tables = (jnp.asarray(schedule.microbatch), jnp.asarray(schedule.repeat))  # i32[T, S]
 
-    def step(carry: tuple[Array, Array], row: tuple[Array, Array]) -> tuple[tuple[Array, Array], None]:
-        state, outputs = carry
-        mb_row, rep_row = row  # i32[S]: what each device does this step
+    def work(state: Array, outputs: Array, mb_row: Array, rep_row: Array) -> tuple[Array, Array]:
+        """One step's stage call (`mb_row`, `rep_row`: i32[S], what each device does)."""
         rep = jnp.maximum(rep_row[stage], 0)
         # Stage 0 takes a fresh micro-batch on its first repeat, else what came round.
         fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.maximum(mb_row[0], 0), keepdims=False)
-        first_in = jnp.where(rep == 0, fresh, state)
-        new_state, out = execute_pipeline_step(
-            lambda h: call(rep, h), state, first_in, model_axis_name=model_axis_name
-        )
+        x = jnp.where((stage == 0) & (rep == 0), fresh, state)  # f32[b, ...]
+        out = call(rep, x)
+        _check_stage_output(out, x, what)
         # The last stage on its last repeat finishes micro-batch mb_row[S - 1].
         done = (stage == s - 1) & (rep_row[stage] == r - 1)
         slot = jnp.maximum(mb_row[s - 1], 0)
@@ -418,9 +416,20 @@ def _run_schedule(
         outputs = jax.lax.dynamic_update_index_in_dim(
             outputs, jnp.where(done, out, kept), slot, 0
         )
-        return (_cast_varying(new_state, axes), outputs), None
+        return out, outputs
 
-    (_, outputs), _ = jax.lax.scan(step, (state0, outputs0), tables)
+    def step(carry: tuple[Array, Array], row: tuple[Array, Array]) -> tuple[tuple[Array, Array], None]:
+        state, outputs = carry
+        out, outputs = work(state, outputs, *row)
+        state = ring_shift(out, model_axis_name, offset=1)  # stage i -> stage i + 1
+        return (_cast_varying(state, axes), outputs), None
+
+    # All steps but the last send their output on; the last step's output is only the
+    # last stage's result, so it is run outside the loop and sends nothing: T - 1
+    # transfers, forward and backward, instead of T.
+    head = jax.tree.map(lambda t: t[:-1], tables)
+    (state, outputs), _ = jax.lax.scan(step, (state0, outputs0), head)
+    _, outputs = work(state, outputs, tables[0][-1], tables[1][-1])
     return outputs.reshape(x.shape)  # f32[B, ...] on the last stage, zeros elsewhere
 
 

@@ -6,11 +6,14 @@ pass instead of being kept alive from the forward pass. Under equishard's gradie
 convention the transpose of each all-gather is a reduce-scatter, so gradients come out
 split like their parameters and equal to the single-device gradients.
 
-The re-gather is a custom VJP rather than a `jax.checkpoint` policy: both forward and
-backward gathers are tied by a data dependency to the layer's input (forward) or output
+The re-gather is a custom VJP around a `jax.checkpoint`: both forward and backward
+gathers are tied by a data dependency to the layer's input (forward) or output
 cotangent (backward), so that no scheduler can hoist them and hold every layer's
 parameters whole at once. (With a checkpoint policy alone, XLA:CPU issues all the
-gathers at the start of the step, and merges the backward's with the forward's.)
+gathers at the start of the step, and merges the backward's with the forward's.) The
+checkpoint inside keeps the outputs of the layer's other collectives (a
+tensor-parallel all-reduce, an expert all-to-all), so that the recomputation in the
+backward pass sends nothing but the FSDP gathers.
 """
 
 from __future__ import annotations
@@ -106,15 +109,16 @@ def gather_params(
     return jax.tree.map(whole, params, is_leaf=is_sharded)
 
 
-def _after(tree: PyTree, anchor_tree: PyTree) -> PyTree:
+def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTree:
     """`tree`, made to depend on `anchor_tree` so that its all-gathers wait for it.
 
     Without a data dependency a scheduler may issue every layer's all-gather at the start
     of the step (XLA:CPU does), holding all the parameters whole at once. Adding
     `0 * anchor` (one element of the first array of `anchor_tree`, gradient stopped)
-    creates the dependency for one add per array; XLA does not fold a float times zero
-    (it could be NaN). The result varies over the axes the anchor varies over, as the
-    parameter would at its first use with that input anyway.
+    to every floating array in a box of `tree` (with `unboxed`, to every floating
+    array) creates the dependency for one add per array; XLA does not fold a float times zero (it could be NaN). The result
+    varies over the axes the anchor varies over, as the parameter would at its first
+    use with that input anyway.
     """
     leaves = [x for x in jax.tree.leaves(anchor_tree) if eqx.is_array(x) and x.size]
     if not leaves:
@@ -122,9 +126,11 @@ def _after(tree: PyTree, anchor_tree: PyTree) -> PyTree:
     anchor = jax.lax.stop_gradient(leaves[0].ravel()[0])
 
     def tie(leaf: Any) -> Any:
-        if not (is_sharded(leaf) and eqx.is_array(leaf.value)):
+        value = leaf.value if is_sharded(leaf) else leaf
+        if not eqx.is_inexact_array(value) or not (unboxed or is_sharded(leaf)):
             return leaf
-        return leaf.with_value(leaf.value + (anchor * 0).astype(leaf.value.dtype))
+        tied = value + (anchor * 0).astype(value.dtype)
+        return leaf.with_value(tied) if is_sharded(leaf) else tied
 
     return jax.tree.map(tie, tree, is_leaf=is_sharded)
 
@@ -148,6 +154,45 @@ class _GatherConfig(eqx.Module):
         return module(*args, **kwargs)
 
 
+# Collectives whose outputs the re-gathering backward pass keeps instead of recomputing.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+        "reduce_scatter",
+        "ppermute",
+        "all_to_all",
+        "ragged_all_to_all",
+    }
+)
+
+
+def _collective_axes(params: dict[str, Any]) -> frozenset[str]:
+    axes = params.get("axes", params.get("axis_name", ()))
+    return frozenset((axes,) if isinstance(axes, str) else axes)
+
+
+def _save_collectives_except(axis_name: str) -> Any:
+    """A `jax.checkpoint` policy: keep every collective's output not over `axis_name`.
+
+    The FSDP wrapper recomputes its unit's forward in the backward pass to gather the
+    parameters again. The unit's own collectives — tensor-parallel all-reduces,
+    sequence-parallel gathers, expert all-to-alls — would be sent a second time; their
+    outputs (one activation each) are kept instead, and only the local computation is
+    redone. The FSDP gathers themselves (over `axis_name`, inside `gather_array`'s
+    custom VJP) are not kept: that is the point.
+    """
+
+    def policy(prim: Any, *_: Any, **params: Any) -> bool:
+        return prim.name in _COLLECTIVES and axis_name not in _collective_axes(params)
+
+    return policy
+
+
 @eqx.filter_custom_vjp
 def _call_regathering(operands: Any, config: _GatherConfig) -> Any:
     # Forward: gather after the inputs exist, call; nothing gathered is kept.
@@ -157,23 +202,36 @@ def _call_regathering(operands: Any, config: _GatherConfig) -> Any:
 @_call_regathering.def_fwd
 def _call_regathering_fwd(perturbed: Any, operands: Any, config: _GatherConfig) -> Any:
     del perturbed
-    return config.call(operands, operands[1:]), None
+    # Linearise a checkpointed call: its residuals are the operands (parameters still
+    # split) and the outputs of the unit's other collectives; everything else,
+    # the gathered parameters first, is recomputed in the backward pass.
+    call = eqx.filter_checkpoint(
+        lambda ops: config.call(ops, ops[1:]), policy=_save_collectives_except(config.axis_name)
+    )
+    out, vjp = eqx.filter_vjp(call, operands)
+    shapes = jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype) if eqx.is_inexact_array(o) else None,
+        out,
+    )
+    return out, (vjp, shapes)
 
 
 @_call_regathering.def_bwd
 def _call_regathering_bwd(
     residuals: Any, grad_out: Any, perturbed: Any, operands: Any, config: _GatherConfig
 ) -> Any:
-    del residuals
+    del operands
     # Backward: gather again — only once this layer's output cotangent exists, so the
     # gathers follow the backward pass layer by layer — and differentiate the call.
-    # The all-gather's transpose reduce-scatters the parameters' gradients.
-    out, vjp = eqx.filter_vjp(lambda ops: config.call(ops, grad_out), operands)
+    # Tying the residuals to the cotangent delays the recomputation (and its gathers)
+    # until then. The all-gather's transpose reduce-scatters the parameters' gradients.
+    vjp, shapes = residuals
+    vjp = _after(vjp, grad_out, unboxed=True)
     # Outputs that were not differentiated get a zero cotangent (integers none).
     cotangent = jax.tree.map(
-        lambda g, o: jnp.zeros_like(o) if g is None and eqx.is_inexact_array(o) else g,
+        lambda g, o: jnp.zeros(o.shape, o.dtype) if g is None and o is not None else g,
         grad_out,
-        eqx.filter(out, eqx.is_array),
+        shapes,
         is_leaf=lambda g: g is None,
     )
     (grads,) = vjp(cotangent)
@@ -199,7 +257,9 @@ class FSDP(eqx.Module):
       gradient reduce-scatters (see `gather_params`).
     - `regather`: gather the parameters again in the backward pass instead of saving
       the gathered copies from the forward pass (the layer's forward is recomputed
-      there too, as under `jax.checkpoint`). On by default.
+      there too, as under `jax.checkpoint`, except its collectives over other axes —
+      tensor-parallel all-reduces, expert all-to-alls — whose outputs are kept from the
+      forward pass rather than sent twice). On by default.
     - `mean_grads`: the seeds' local-loss convention (see `gather_params`).
     - `mesh`: outside `shard_map`, the mesh whose `axis_name` size decides divisibility
       (default: the ambient mesh, which `sharded_init` sets).

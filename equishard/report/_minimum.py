@@ -29,8 +29,10 @@ plus the terms the textbook formulas leave out. Each `Term` records its formula.
 
 - *Parameters* (from the per-parameter table: `b` the bytes a device stores, `S` the
   axes its spec splits it over). An array split over `fsdp` is gathered in forward,
-  re-gathered in backward and its gradient reduce-scattered: `3(n_fsdp − 1) · b`. Its
-  gradient is all-reduced over the axes `R` it is replicated over but used on varying
+  re-gathered in backward and its gradient reduce-scattered: `3(n_fsdp − 1) · b`. (The
+  re-gather recomputes the wrapped unit's forward but keeps the outputs of the unit's
+  other collectives, so its tensor-parallel and expert collectives are not sent again.)
+  Its gradient is all-reduced over the axes `R` it is replicated over but used on varying
   data: `2(n_R − 1)/n_R · b`, `R` = the data axes (`dp`, `fsdp`, `ep`) not in `S`; plus
   `tp` for the norms under sequence parallelism (their inputs are split over the
   sequence); plus `pp` for the final norm and the output head (replicated over the
@@ -44,33 +46,27 @@ plus the terms the textbook formulas leave out. Each `Term` records its formula.
   vocabulary-parallel cross-entropy (three all-reduces of one f32 per token: the
   maximum, the sum of exponentials, the target logit). Sequence parallelism turns each
   all-reduce into an all-gather / reduce-scatter pair: the same bytes.
-- *FSDP with tensor parallelism*: the FSDP wrapper re-gathers in backward by
-  recomputing the wrapped unit's forward (as `jax.checkpoint` would), and the
-  recomputation repeats the unit's forward tensor-parallel collectives but the last
-  (whose result the backward pass does not need): one more all-reduce of `A` per dense
-  unit (with sequence parallelism three more all-gathers / reduce-scatters of
-  `(n−1)/n · A`). Not in the textbook formula: it is the price of not keeping
-  activations.
 - *Expert parallel*: per MoE layer 4 all-to-alls of the capacity buffer,
   `(n−1)/n · G·E·C·D` each (`G` token groups on the device, `E` experts, `C` capacity);
   and the routing statistics, an all-reduce over the data axes of `2E + 2` numbers
   (router-probability and routed-fraction sums, z-loss, dropped count).
 - *Pipeline* (`S` stages, `M` micro-batches, `R` repeats): the SPMD schedule runs
-  `T = R·M + S − 1` steps and every device calls its stage and sends its output at
-  every step, bubble steps included; so the stage's collectives (tensor-parallel
-  all-reduces, FSDP gathers) run `T` times where a bubble-free pipeline runs `R·M`, and
-  the activations cost `2·T · A/M` (forward and backward) where the textbook minimum is
-  `2·R·M · A/M`. The embedding is replicated over the stages, so the gradient of the
-  pipeline's input is summed over them: `2(S−1)/S · A`. The loss is taken from the last
-  stage with one all-reduce of a scalar.
+  `T = R·M + S − 1` steps and every device calls its stage at every step, bubble steps
+  included; so the stage's collectives (tensor-parallel all-reduces, FSDP gathers) run
+  `T` times where a bubble-free pipeline runs `R·M`. Every step but the last sends its
+  output on (the last step's output stays on the last stage): the activations cost
+  `2(T − 1) · A/M` (forward and backward) where the textbook minimum is `2·R·M · A/M`
+  — the same with two stages. The embedding is replicated over the stages, so the
+  gradient of the pipeline's input is summed over them: `2(S−1)/S · A`. The loss is
+  taken from the last stage with one all-reduce of a scalar.
 - *Scalars*: the loss `pmean` over the data axes (with MoE also the cross-entropy
   metric, which then differs from the loss, and the gradient of the global auxiliary
   loss, which joins each device's local cross-entropy), and one f32 per split gradient
   array for the global gradient norm, all-reduced over the axes that split it.
 
-`Term.ideal_bytes` is each term without the pipeline bubble and without FSDP's
-recomputation (the textbook figure); `Term.bytes` is what equishard's algorithm must
-send, which the measured figure is compared against.
+`Term.ideal_bytes` is each term without the pipeline bubble (the textbook figure);
+`Term.bytes` is what equishard's algorithm must send, which the measured figure is
+compared against.
 """
 
 from __future__ import annotations
@@ -223,7 +219,7 @@ class Term:
     - `axes`: the mesh axes it runs over; `n` their total size.
     - `formula`: the formula with its quantities, e.g. `"3(n-1)/n · 16.0 MiB"`.
     - `bytes`: bytes each device sends per step under equishard's algorithm.
-    - `ideal_bytes`: the same without the pipeline bubble and FSDP's recomputation.
+    - `ideal_bytes`: the same without the pipeline bubble (the textbook figure).
     """
 
     name: str
@@ -255,7 +251,7 @@ class Minimum:
 
     @property
     def ideal_total(self) -> float:
-        """The textbook total: no pipeline bubble, no FSDP recomputation."""
+        """The textbook total: no pipeline bubble."""
         return float(sum(t.ideal_bytes for t in self.terms))
 
     def by_axes(self) -> dict[tuple[str, ...], float]:
@@ -420,15 +416,6 @@ def _parameter_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
     return terms
 
 
-def _forward_collectives_per_unit(s: _Setting) -> tuple[int, int]:
-    """Forward tensor-parallel all-reduces and expert all-to-alls of one scan unit."""
-    k = max(s.config.moe_every, 1)
-    moe = s.blocks[:k]
-    all_reduces = sum(1 if m else 2 for m in moe) if s.tp > 1 else 0
-    all_to_alls = sum(2 for m in moe if m) if s.ep > 1 else 0
-    return all_reduces, all_to_alls
-
-
 def _tensor_terms(s: _Setting) -> list[Term]:
     if s.tp == 1:
         return []
@@ -466,24 +453,6 @@ def _tensor_terms(s: _Setting) -> list[Term]:
             3 * ar * s.tokens * F32,
         ),
     ]
-    if "fsdp" in s.sizes and s.sizes["fsdp"] > 1:
-        forward, _ = _forward_collectives_per_unit(s)
-        units = s.config.n_layers // max(s.config.moe_every, 1)
-        if s.sequence_parallel:  # each all-reduce is an all-gather and a reduce-scatter
-            recomputed, each, text = (2 * forward - 1) * units, _ring(n) * a, "(n-1)/n · A"
-        else:
-            recomputed, each, text = (forward - 1) * units, ar * a, "2(n-1)/n · A"
-        terms.append(
-            Term(
-                "tp: forward collectives recomputed by FSDP's re-gather (all but the unit's last)",
-                kind,
-                ("tp",),
-                n,
-                f"{recomputed} x {text}",
-                recomputed * each * scale,
-                0.0,
-            )
-        )
     return terms
 
 
@@ -535,7 +504,7 @@ def _pipeline_terms(s: _Setting) -> list[Term]:
     split = s.tp if s.sequence_parallel else 1
     a = s.activation / split  # the stage input a device holds: [B/data, S(/tp), D]
     per_mb = a / s.microbatches
-    sends = 2 * s.steps * per_mb
+    sends = 2 * (s.steps - 1) * per_mb
     ideal = pipeline_minimum(a, s.microbatches, s.repeats)
     ar = 2 * _ring(s.stages)
     return [
@@ -544,7 +513,7 @@ def _pipeline_terms(s: _Setting) -> list[Term]:
             "collective-permute",
             ("pp",),
             s.stages,
-            f"2 T · A/M, T = R M + S - 1 = {s.steps}, A/M = {_human(per_mb)}",
+            f"2(T - 1) · A/M, T = R M + S - 1 = {s.steps}, A/M = {_human(per_mb)}",
             sends,
             ideal,
         ),

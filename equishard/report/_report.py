@@ -321,7 +321,7 @@ def format_report(r: StepReport) -> str:
         out.append(
             f"measured {human_bytes(r.collective_bytes)} / minimum {human_bytes(r.minimum.total)} "
             f"= {ratio:.3f}"
-            + (f" (over the bubble- and recompute-free textbook figure: {ideal:.3f})" if r.minimum.ideal_total != r.minimum.total else "")
+            + (f" (over the bubble-free textbook figure: {ideal:.3f})" if r.minimum.ideal_total != r.minimum.total else "")
         )
     if r.memory is not None:
         out += ["", "Memory per device (the compiler's memory analysis):", format_memory(r.memory)]
