@@ -21,6 +21,8 @@ from equishard.train import (
 )
 
 
+from equishard.core import collective_bytes, read_collectives
+
 from .helpers import assert_tree_allclose, rel_err
 
 DENSE = GPTConfig(d_model=64, n_heads=8, n_layers=4, d_ff=128)
@@ -107,6 +109,51 @@ def test_gradient_accumulation_equals_one_big_step():
     for a, b in zip(h2, h1):
         assert rel_err(a["loss"], b["loss"]) <= 1e-5 and rel_err(a["grad_norm"], b["grad_norm"]) <= 1e-5
     assert_tree_allclose(acc.model, one.model)
+
+
+def _accumulating_step(spec, grad_accum, loss_fn=None):
+    layout = Layout(spec)
+    mesh = layout.mesh()
+    sgd = optax.sgd(0.1)
+    state = init_train_state(lambda k: GPT(DENSE, layout.parallelism(), key=k), sgd, jax.random.key(0), mesh=mesh)
+    loss_fn = loss_fn or (lambda model, batch, key: model.loss(batch, key))
+    step = make_train_step(loss_fn, sgd, mesh=mesh, batch_spec=layout.batch_spec(), grad_accum=grad_accum)
+    return step, state
+
+
+def test_gradient_accumulation_reduces_gradients_once():
+    batch = _batches()[0]
+    sent = {}
+    for k in (1, 4):
+        step, state = _accumulating_step("dp=4,tp=2", k)
+        ops = read_collectives(step.lower(state, batch).compile())
+        # The all-reduces over dp (groups of 4; tp's are groups of 2): the gradients
+        # (and the scalars: loss, metrics).
+        sent[k] = collective_bytes(op for op in ops if op.kind == "all-reduce" and op.group_size == 4)
+    # Four micro-steps sum their gradients locally and reduce once: the bytes of one step
+    # (plus a few scalars), not four times them.
+    assert sent[4] <= 1.01 * sent[1], sent
+
+
+def test_gradient_accumulation_with_a_loss_term_outside_the_data_path():
+    """A loss that depends on the parameters directly (not through a pmean over the
+    data) cannot defer the reduction: the step falls back to reducing every micro-step,
+    and still equals one big step."""
+
+    def loss_fn(model, batch, key):
+        loss, metrics = model.loss(batch, key)
+        weight = es.unbox(model.norm).weight  # replicated over every axis
+        return loss + 1e-2 * jnp.sum(weight**2), metrics
+
+    batch = _batches()[0]
+    results = []
+    for k in (1, 2):
+        step, state = _accumulating_step("dp=4,tp=2", k, loss_fn)
+        state, metrics = step(state, batch)
+        results.append((state.model, float(metrics["loss"])))
+    (one, loss1), (acc, loss2) = results
+    assert rel_err(loss2, loss1) <= 1e-5
+    assert_tree_allclose(acc, one)
 
 
 def test_clipping_by_the_global_norm_across_shards():

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._errors import LayerConfigError
+from ..core._collectives import mesh_ordered, varying_axes, vma_checked
 from ..sharding import filter_shard_map, sharded_init
 from ..sharding._box import is_sharded
 from ..sharding._specs import spec_axes
@@ -141,6 +142,42 @@ def _split_microbatches(batch: PyTree, k: int) -> PyTree:
     return jax.tree.map(split, batch)
 
 
+def _spec_tree_axes(spec_tree: P | PyTree) -> tuple[str, ...]:
+    """The mesh axes a spec or spec tree uses (for a batch: the data axes), in order."""
+    axes: list[str] = []
+    for spec in jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P)):
+        axes += [a for a in spec_axes(spec) if a not in axes]
+    return tuple(axes)
+
+
+def _vary_over(model: PyTree, axes: tuple[str, ...]) -> tuple[PyTree, PyTree | None]:
+    """`model` with each floating array cast to vary over `axes`, and the axes added.
+
+    **Returns:**
+
+    `(varying_model, added)`: `added` holds, per array (`None` elsewhere), the tuple of
+    axes its gradient must be summed over afterwards; `(model, None)` when the
+    varying-axes check is off (nothing is typed, nothing can be deferred).
+    """
+    if not axes or not vma_checked(axes):
+        return model, None
+    arrays, static = eqx.partition(model, eqx.is_inexact_array)
+    added = jax.tree.map(
+        lambda x: tuple(a for a in mesh_ordered(axes) if a not in varying_axes(x)), arrays
+    )
+    varying = jax.tree.map(
+        lambda x, missing: jax.lax.pcast(x, missing, to="varying") if missing else x,
+        arrays,
+        added,
+    )
+    return eqx.combine(varying, static), eqx.combine(added, static, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _invariant_over(tree: PyTree, axes: tuple[str, ...]) -> bool:
+    """Whether no array of `tree` varies over any of `axes`."""
+    return not any(set(axes) & varying_axes(x) for x in jax.tree.leaves(tree) if eqx.is_array(x))
+
+
 def _where(pred: Array, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree.map(
         lambda a, b: jnp.where(pred, a, b) if eqx.is_array(a) else a, new, old
@@ -162,7 +199,11 @@ def make_train_step(
     The step runs inside one `filter_shard_map` over `mesh`:
 
     1. `grad_accum` micro-steps over equal slices of the local batch, each
-       differentiating `loss_fn` (the global loss); gradients and metrics averaged;
+       differentiating `loss_fn` (the global loss); gradients and metrics averaged.
+       The gradients of parameters replicated over the data axes (those of
+       `batch_spec`) are accumulated unreduced and all-reduced once, after the last
+       micro-step — unless the loss depends on the parameters other than through the
+       data (then it is not one value per copy), when each micro-step reduces them;
     2. the global gradient norm, computed across shards; clipping to `clip_norm`;
     3. the optax update — skipped, and counted in `state.skipped` and the metrics, if
        the loss or the gradient norm is not finite.
@@ -187,6 +228,7 @@ def make_train_step(
     """
     if grad_accum < 1:
         raise LayerConfigError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}.")
+    data_axes = _spec_tree_axes(batch_spec)
 
     def local_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
         key = jax.random.fold_in(state.key, state.step)
@@ -200,19 +242,43 @@ def make_train_step(
             # [B_local, ...] -> [k, B_local/k, ...]; the first micro-step outside the
             # scan gives the carry its types (including how each value varies).
             micro = _split_microbatches(batch, grad_accum)
-
-            def one(i: Any, micro_batch: PyTree) -> Any:
-                (loss, metrics), grads = value_and_grad(
-                    state.model, micro_batch, jax.random.fold_in(key, i)
-                )
-                return jax.tree.map(lambda a: a / grad_accum, (loss, metrics, grads))
-
-            def accumulate(carry: Any, xs: Any) -> Any:
-                return jax.tree.map(jnp.add, carry, one(*xs)), None
-
-            first = one(0, jax.tree.map(lambda x: x[0], micro))
+            head = jax.tree.map(lambda x: x[0], micro)
             rest = (jnp.arange(1, grad_accum), jax.tree.map(lambda x: x[1:], micro))
-            (loss, metrics, grads), _ = jax.lax.scan(accumulate, first, rest)
+
+            def accumulated(model: PyTree) -> Any:
+                def one(i: Any, micro_batch: PyTree) -> Any:
+                    (loss, metrics), grads = value_and_grad(
+                        model, micro_batch, jax.random.fold_in(key, i)
+                    )
+                    return jax.tree.map(lambda a: a / grad_accum, (loss, metrics, grads))
+
+                def accumulate(carry: Any, xs: Any) -> Any:
+                    return jax.tree.map(jnp.add, carry, one(*xs)), None
+
+                first = one(0, head)
+                if not _invariant_over((first[0], first[1]), data_axes):
+                    return None
+                return jax.lax.scan(accumulate, first, rest)[0]
+
+            # Each micro-step would all-reduce the gradients of the parameters that are
+            # replicated over the data axes. Differentiating a copy cast to vary over
+            # them instead leaves each device's gradient unreduced; they are summed once,
+            # after the last micro-step (k times fewer bytes). That is exact whenever the
+            # loss is one global value (invariant over the data axes): the gradient of
+            # a function of n equal copies is the sum of the partial gradients.
+            varying, pending = _vary_over(state.model, data_axes)
+            result = accumulated(varying)
+            if result is None:  # the loss varies with the copies: reduce every micro-step
+                result = accumulated(state.model)
+                pending = None
+            loss, metrics, grads = result
+            if pending is not None:
+                grads = jax.tree.map(
+                    lambda g, axes: g if g is None or not axes else jax.lax.psum(g, axes),
+                    grads,
+                    pending,
+                    is_leaf=lambda g: g is None,
+                )
         grad_norm = global_norm(grads)
         if clip_norm is not None:
             scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
