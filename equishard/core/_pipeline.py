@@ -2,8 +2,8 @@
 
 Each device of the stage axis (`model_axis_name`, "pp" by convention) runs one stage;
 activations move on to the next device with `ring_shift` (one collective-permute per
-step, but for the last step, whose output stays on the last stage). A stage is any callable from an activation to an activation of the same shape
-and dtype: core has no modules.
+step but the last, whose output stays on the last stage). A stage is any callable from
+an activation to an activation of the same shape and dtype: core has no modules.
 
 Two schedules, both a single `jax.lax.scan` (and the last step after it) whose length
 does not depend on how the stage is written, so compile time is independent of the

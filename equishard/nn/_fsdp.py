@@ -116,9 +116,9 @@ def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTre
     of the step (XLA:CPU does), holding all the parameters whole at once. Adding
     `0 * anchor` (one element of the first array of `anchor_tree`, gradient stopped)
     to every floating array in a box of `tree` (with `unboxed`, to every floating
-    array) creates the dependency for one add per array; XLA does not fold a float times zero (it could be NaN). The result
-    varies over the axes the anchor varies over, as the parameter would at its first
-    use with that input anyway.
+    array) creates the dependency for one add per array; XLA does not fold a float
+    times zero (it could be NaN). The result varies over the axes the anchor varies
+    over, as the parameter would at its first use with that input anyway.
     """
     leaves = [x for x in jax.tree.leaves(anchor_tree) if eqx.is_array(x) and x.size]
     if not leaves:

@@ -170,7 +170,8 @@ def _vary_over(model: PyTree, axes: tuple[str, ...]) -> tuple[PyTree, PyTree | N
         arrays,
         added,
     )
-    return eqx.combine(varying, static), eqx.combine(added, static, is_leaf=lambda x: isinstance(x, tuple))
+    pending = eqx.combine(added, static, is_leaf=lambda x: isinstance(x, tuple))
+    return eqx.combine(varying, static), pending
 
 
 def _invariant_over(tree: PyTree, axes: tuple[str, ...]) -> bool:
