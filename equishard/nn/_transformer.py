@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._errors import LayerConfigError
+from ..core._collectives import varying_axes
 from ..sharding import Sharded
 from ._init import axis_size, check_choice, check_divisible, check_positive, value_of
 from ._linear import ColumnParallelLinear, RowParallelLinear
@@ -40,18 +41,9 @@ def _check_style(layer: str, style: Any) -> None:
     check_choice(layer, "style", style, STYLES)
 
 
-def _varying_axes(x: Array) -> frozenset[str]:
-    """The manual mesh axes `x` varies over (empty outside `shard_map`)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
 def _vary_like(w: Array, x: Array) -> Array:
     """`w` cast to vary over the manual mesh axes `x` varies over (a no-op outside `shard_map`)."""
-    missing = tuple(sorted(_varying_axes(x) - _varying_axes(w)))
+    missing = tuple(sorted(varying_axes(x) - varying_axes(w)))
     return jax.lax.pcast(w, missing, to="varying") if missing else w
 
 
