@@ -19,11 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import (
-    async_gather,
-    async_gather_bidirectional,
-    async_gather_split,
-    async_scatter,
-    async_scatter_split,
     count_collectives,
     collective_bytes,
     gather_array_with_mean_grads,
@@ -32,6 +27,11 @@ from equishard.core import (
     mp_reduce,
     mp_scatter,
     read_collectives,
+    ring_all_gather,
+    ring_all_gather_bidirectional,
+    ring_all_gather_split,
+    ring_reduce_scatter,
+    ring_reduce_scatter_split,
     ring_shift,
 )
 
@@ -118,11 +118,11 @@ def test_naive_ppermute_over_tuple_is_refused_or_wrong():
 # ---------------------------------------------------------------------------- ring gathers
 
 GATHERS = {
-    "ring_up": lambda x, ax: async_gather(x, ax, shift_up=True),
-    "ring_down": lambda x, ax: async_gather(x, ax, shift_up=False),
-    "bidir_up": lambda x, ax: async_gather_bidirectional(x, ax, shift_up=True),
-    "bidir_down": lambda x, ax: async_gather_bidirectional(x, ax, shift_up=False),
-    "split": async_gather_split,
+    "ring_up": lambda x, ax: ring_all_gather(x, ax, shift_up=True),
+    "ring_down": lambda x, ax: ring_all_gather(x, ax, shift_up=False),
+    "bidir_up": lambda x, ax: ring_all_gather_bidirectional(x, ax, shift_up=True),
+    "bidir_down": lambda x, ax: ring_all_gather_bidirectional(x, ax, shift_up=False),
+    "split": ring_all_gather_split,
 }
 
 
@@ -206,7 +206,7 @@ def test_ring_gather_of_pytree():
     tree = {"a": rand(0, (8, 2)), "b": rand(1, (16,))}
 
     def local(t):
-        got = async_gather_bidirectional(t, axes)
+        got = ring_all_gather_bidirectional(t, axes)
         return jax.tree.map(lambda *blocks: jnp.concatenate(blocks)[None], *got)
 
     out = jax.jit(smap(local, mesh, P(axes), P(axes)))(tree)
@@ -217,9 +217,9 @@ def test_ring_gather_of_pytree():
 # ---------------------------------------------------------------------------- ring scatters
 
 SCATTERS = {
-    "ring_up": lambda xs, ax: async_scatter(xs, ax, shift_up=True),
-    "ring_down": lambda xs, ax: async_scatter(xs, ax, shift_up=False),
-    "split": async_scatter_split,
+    "ring_up": lambda xs, ax: ring_reduce_scatter(xs, ax, shift_up=True),
+    "ring_down": lambda xs, ax: ring_reduce_scatter(xs, ax, shift_up=False),
+    "split": ring_reduce_scatter_split,
 }
 
 
@@ -258,11 +258,11 @@ def test_ring_scatters(layout, axes):
 # ---------------------------------------------------------------------------- structure
 
 RING_FUNCTIONS = {
-    "async_gather": (lambda x, ax: jnp.concatenate(async_gather(x, ax))[None], 1),
-    "async_gather_bidirectional": (lambda x, ax: jnp.concatenate(async_gather_bidirectional(x, ax))[None], 1),
-    "async_gather_split": (lambda x, ax: jnp.concatenate(async_gather_split(x, ax))[None], 2),
-    "async_scatter": (lambda x, ax: async_scatter(list(x), ax), 1),
-    "async_scatter_split": (lambda x, ax: async_scatter_split(list(x), ax), 2),
+    "ring_all_gather": (lambda x, ax: jnp.concatenate(ring_all_gather(x, ax))[None], 1),
+    "ring_all_gather_bidirectional": (lambda x, ax: jnp.concatenate(ring_all_gather_bidirectional(x, ax))[None], 1),
+    "ring_all_gather_split": (lambda x, ax: jnp.concatenate(ring_all_gather_split(x, ax))[None], 2),
+    "ring_reduce_scatter": (lambda x, ax: ring_reduce_scatter(list(x), ax), 1),
+    "ring_reduce_scatter_split": (lambda x, ax: ring_reduce_scatter_split(list(x), ax), 2),
 }
 
 

@@ -17,12 +17,12 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.core import (
     all_gather_matmul,
-    async_gather,
-    async_scatter,
     collective_bytes,
     count_collectives,
     matmul_reduce_scatter,
     read_collectives,
+    ring_all_gather,
+    ring_reduce_scatter,
     ring_shift,
 )
 
@@ -88,7 +88,7 @@ for name, program in programs.items():
 # --8<-- [start:ring_versions]
 def gathers_agree(b):  # on each device: the ring's result against JAX's all_gather
     plain = jax.lax.all_gather(b, "x", tiled=True)
-    ring_blocks = async_gather(b, "x")  # n - 1 collective-permutes; blocks in axis order
+    ring_blocks = ring_all_gather(b, "x")  # n - 1 collective-permutes; blocks in device order
     return jnp.array_equal(plain, jnp.concatenate(ring_blocks))[None]
 
 
@@ -98,7 +98,7 @@ print("ring all-gather equals all_gather on every device:", bool(agree.all()))
 
 def scatters_agree(b):  # b: this device's f32[64, 256] of partial sums
     plain = jax.lax.psum_scatter(b, "x", tiled=True)
-    ring_sum = async_scatter(jnp.split(b, n), "x")  # one partial per destination device
+    ring_sum = ring_reduce_scatter(jnp.split(b, n), "x")  # one partial per destination device
     # Sums in another order: equal to float32 rounding (DESIGN's relative tolerance).
     return (jnp.linalg.norm(ring_sum - plain) <= 1e-5 * jnp.linalg.norm(plain))[None]
 
@@ -106,7 +106,7 @@ def scatters_agree(b):  # b: this device's f32[64, 256] of partial sums
 partials = jax.random.normal(jax.random.key(0), (n * 64, 256))  # each device its partials
 agree = local(scatters_agree, mesh, P("x"), P("x"))(partials)
 print("ring reduce-scatter equals psum_scatter on every device:", bool(agree.all()))
-ring_scatter = local(lambda b: async_scatter(jnp.split(b, n), "x"), mesh, P("x"), P("x"))
+ring_scatter = local(lambda b: ring_reduce_scatter(jnp.split(b, n), "x"), mesh, P("x"), P("x"))
 print("ring reduce-scatter compiles to", count_collectives(read_collectives(ring_scatter.lower(partials).compile())))
 # --8<-- [end:ring_versions]
 

@@ -33,6 +33,11 @@ from ._collectives import (
     mp_gather as mp_gather,
     mp_reduce as mp_reduce,
     mp_scatter as mp_scatter,
+    ring_all_gather as ring_all_gather,
+    ring_all_gather_bidirectional as ring_all_gather_bidirectional,
+    ring_all_gather_split as ring_all_gather_split,
+    ring_reduce_scatter as ring_reduce_scatter,
+    ring_reduce_scatter_split as ring_reduce_scatter_split,
     ring_shift as ring_shift,
 )
 from ._matmul import all_gather_matmul as all_gather_matmul, matmul_reduce_scatter as matmul_reduce_scatter

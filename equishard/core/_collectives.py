@@ -1,8 +1,11 @@
 """Collectives on local blocks, valid inside `shard_map`.
 
 - `ring_shift`: one step round a ring of devices, over one mesh axis or several.
-- `async_gather*` / `async_scatter*`: all-gather and reduce-scatter built from ring
-  steps (collective-permutes only), so compute can be scheduled between the steps.
+- `ring_all_gather*` / `ring_reduce_scatter*`: all-gather and reduce-scatter built from
+  ring steps (collective-permutes only), so compute can be scheduled between the steps;
+  blocks in device order.
+- `async_gather*` / `async_scatter*`: the same rings with the xLSTM library's
+  semantics: blocks listed by ring offset (the order in which they arrive).
 - `mp_copy` / `mp_reduce` / `mp_scatter` / `mp_gather`: the conjugate region operators
   of model-parallel (Megatron-style) training.
 
@@ -202,7 +205,7 @@ def _ring_pass(x: PyTree, axis_name: AxisName, direction: int, steps: int) -> li
     return received
 
 
-def async_gather(
+def ring_all_gather(
     x: PyTree[Shaped[Array, "..."]], axis_name: AxisName, shift_up: bool = True
 ) -> list[PyTree[Shaped[Array, "..."]]]:
     """All-gather by ring permutation: `n - 1` collective-permutes, one block each.
@@ -231,14 +234,14 @@ def async_gather(
     return _in_axis_order(by_offset, axis_name)
 
 
-def async_gather_bidirectional(
+def ring_all_gather_bidirectional(
     x: PyTree[Shaped[Array, "..."]], axis_name: AxisName, shift_up: bool = True
 ) -> list[PyTree[Shaped[Array, "..."]]]:
     """All-gather by ring permutation in both directions at once.
 
     Blocks travel up and down the ring alternately, so each reaches the far side in
     about `n / 2` steps instead of `n - 1`; still `n - 1` collective-permutes of one
-    block in all. Result order as in `async_gather`.
+    block in all. Result order as in `ring_all_gather`.
 
     **Arguments:**
 
@@ -280,12 +283,12 @@ def _split_last(x: PyTree, fn_name: str) -> tuple[PyTree, PyTree]:
     return lo, hi
 
 
-def async_gather_split(x: PyTree[Shaped[Array, "..."]], axis_name: AxisName) -> list[PyTree[Shaped[Array, "..."]]]:
+def ring_all_gather_split(x: PyTree[Shaped[Array, "..."]], axis_name: AxisName) -> list[PyTree[Shaped[Array, "..."]]]:
     """All-gather by two ring passes of half blocks in opposite directions.
 
     The last (feature) dimension of each block is split in halves; the first half goes
     up the ring and the second down, `n - 1` collective-permutes of half a block each
-    way, so both directions of each link carry data. Result order as in `async_gather`.
+    way, so both directions of each link carry data. Result order as in `ring_all_gather`.
 
     **Arguments:**
 
@@ -300,9 +303,9 @@ def async_gather_split(x: PyTree[Shaped[Array, "..."]], axis_name: AxisName) -> 
 
     `SpecError` if a last dimension is odd.
     """
-    lo, hi = _split_last(x, "async_gather_split")
-    los = async_gather(lo, axis_name, shift_up=True)
-    his = async_gather(hi, axis_name, shift_up=False)
+    lo, hi = _split_last(x, "ring_all_gather_split")
+    los = ring_all_gather(lo, axis_name, shift_up=True)
+    his = ring_all_gather(hi, axis_name, shift_up=False)
     return [jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), l, h) for l, h in zip(los, his)]
 
 
@@ -310,7 +313,7 @@ def async_gather_split(x: PyTree[Shaped[Array, "..."]], axis_name: AxisName) -> 
 # Ring reduce-scatter
 
 
-def async_scatter(
+def ring_reduce_scatter(
     xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: AxisName, shift_up: bool = True
 ) -> PyTree[Shaped[Array, "..."]]:
     """Reduce-scatter by ring permutation: `n - 1` collective-permutes, one block each.
@@ -334,11 +337,7 @@ def async_scatter(
 
     `SpecError` if `len(xs)` differs from the size of the axis.
     """
-    n = combined_axis_size(axis_name)
-    if len(xs) != n:
-        raise SpecError(
-            f"async_scatter needs one partial per device of axis {axis_name!r} (size {n}), got {len(xs)}"
-        )
+    n = _check_partials(xs, axis_name, "ring_reduce_scatter")
     if n == 1:
         return xs[0]
     direction = 1 if shift_up else -1
@@ -356,11 +355,11 @@ def async_scatter(
     return acc
 
 
-def async_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: AxisName) -> PyTree[Shaped[Array, "..."]]:
+def ring_reduce_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: AxisName) -> PyTree[Shaped[Array, "..."]]:
     """Reduce-scatter by two ring passes of half blocks in opposite directions.
 
     The last dimension of each partial is split in halves; the first halves are summed
-    going up the ring and the second going down. Same result as `async_scatter`.
+    going up the ring and the second going down. Same result as `ring_reduce_scatter`.
 
     **Arguments:**
 
@@ -376,9 +375,179 @@ def async_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: A
 
     `SpecError` if `len(xs)` differs from the size of the axis or a last dimension is odd.
     """
+    halves = [_split_last(x, "ring_reduce_scatter_split") for x in xs]
+    lo = ring_reduce_scatter([h[0] for h in halves], axis_name, shift_up=True)
+    hi = ring_reduce_scatter([h[1] for h in halves], axis_name, shift_up=False)
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), lo, hi)
+
+
+# ---------------------------------------------------------------------------
+# Ring all-gather and reduce-scatter in the xLSTM library's ring-offset order
+#
+# Element k of a gathered list is the block that arrived after k ring shifts (the
+# device's own block first); `async_scatter` adds `xs[k]` to the running sum after k
+# shifts. Both are what `xlstm_jax.distributed.tensor_parallel` returns; equishard's
+# device-index-ordered variants are `ring_all_gather*` / `ring_reduce_scatter*`.
+
+
+def _check_partials(xs: Sequence[PyTree], axis_name: AxisName, fn_name: str) -> int:
+    n = combined_axis_size(axis_name)
+    if len(xs) != n:
+        raise SpecError(
+            f"{fn_name} needs one partial per device of axis {axis_name!r} (size {n}), got {len(xs)}"
+        )
+    return n
+
+
+def async_gather(
+    x: PyTree[Shaped[Array, "..."]], axis_name: AxisName, shift_up: bool = True
+) -> list[PyTree[Shaped[Array, "..."]]]:
+    """All-gather by ring permutation, in ring-offset order (the xLSTM library's order).
+
+    `n - 1` collective-permutes, each forwarding the block received in the previous step.
+    Element `k` of the result is the block that arrived after `k` shifts: on device `i`,
+    the block of device `i - k` (`shift_up=True`) or `i + k` (`shift_up=False`), mod `n`;
+    element 0 is the device's own block. So `jnp.concatenate(result)` is *not* the
+    all-gather on any device but device `0` of a downward ring; for blocks in device
+    order use `ring_all_gather`.
+
+    **Arguments:**
+
+    - `x`: an array or pytree of arrays, this device's block.
+    - `axis_name`: a mesh axis name or a tuple of them (logical order of the tuple).
+    - `shift_up`: send blocks to the next device (device 0 sends to device 1) or to the
+      previous one.
+
+    **Returns:**
+
+    A list of `n` pytrees like `x`, by ring offset.
+    """
+    n = combined_axis_size(axis_name)
+    return _ring_pass(x, axis_name, 1 if shift_up else -1, n - 1)
+
+
+def async_gather_bidirectional(
+    x: PyTree[Shaped[Array, "..."]], axis_name: AxisName, shift_up: bool = True
+) -> list[PyTree[Shaped[Array, "..."]]]:
+    """All-gather by ring permutation in both directions, in ring-offset order.
+
+    Odd steps shift a chain of blocks up the ring, even steps another chain down, so
+    each block arrives in about `n / 2` steps instead of `n - 1`; `n - 1`
+    collective-permutes in all. The list has the order of `async_gather` with the same
+    `shift_up`: element `k` is the block of device `i - k` (`shift_up=True`) or `i + k`
+    (`shift_up=False`), mod `n`.
+
+    **Arguments:**
+
+    - `x`: an array or pytree of arrays, this device's block.
+    - `axis_name`: a mesh axis name or a tuple of them.
+    - `shift_up`: which unidirectional order the list follows.
+
+    **Returns:**
+
+    A list of `n` pytrees like `x`, by ring offset.
+    """
+    n = combined_axis_size(axis_name)
+    ups: list[PyTree] = []
+    downs: list[PyTree] = []
+    for step in range(1, n):
+        if step % 2:
+            ups.append(ring_shift(ups[-1] if ups else x, axis_name, 1))
+        else:
+            downs.append(ring_shift(downs[-1] if downs else x, axis_name, -1))
+    # ups[e] came from i - 1 - e, downs[e] from i + 1 + e.
+    return [x, *ups, *downs[::-1]] if shift_up else [x, *downs, *ups[::-1]]
+
+
+def async_gather_split(x: PyTree[Shaped[Array, "..."]], axis_name: AxisName) -> list[PyTree[Shaped[Array, "..."]]]:
+    """All-gather of half blocks in opposite directions, in ring-offset order.
+
+    The last dimension of each block is split in halves; the first half goes up the ring
+    and the second down, `n - 1` collective-permutes of half a block each way. The
+    result is the `2n` half blocks: `async_gather(first_half, shift_up=True)` followed by
+    `async_gather(second_half, shift_up=False)` — element `k < n` is the first half of
+    device `i - k`'s block, element `n + k` the second half of device `i + k`'s.
+
+    **Arguments:**
+
+    - `x`: an array or pytree of arrays whose last dimension is even.
+    - `axis_name`: a mesh axis name or a tuple of them.
+
+    **Returns:**
+
+    A list of `2n` pytrees of half blocks.
+
+    **Raises:**
+
+    `SpecError` if a last dimension is odd.
+    """
+    lo, hi = _split_last(x, "async_gather_split")
+    return async_gather(lo, axis_name, shift_up=True) + async_gather(hi, axis_name, shift_up=False)
+
+
+def _ring_sum(xs: Sequence[PyTree], axis_name: AxisName, direction: int) -> PyTree:
+    """`y = xs[0]`, then `n - 1` times: shift `y` by `direction`, add the next partial."""
+    y = xs[0]
+    for x in xs[1:]:
+        y = jax.tree.map(jnp.add, ring_shift(y, axis_name, direction), x)
+    return y
+
+
+def async_scatter(
+    xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: AxisName, shift_up: bool = True
+) -> PyTree[Shaped[Array, "..."]]:
+    """Reduce-scatter by ring permutation, partials in ring-offset order (the xLSTM library's).
+
+    A running sum starts as `xs[0]`, is shifted one place round the ring and has the
+    next partial added, `n - 1` times. So device `j`'s `xs[k]` ends on device
+    `j - k - 1` (`shift_up=True`) or `j + k + 1` (`shift_up=False`), mod `n`: device `i`
+    returns `sum_k xs[k] of device i + k + 1` (resp. `i - k - 1`). For partials in
+    device order (`xs[j]` for device `j`) use `ring_reduce_scatter`.
+
+    **Arguments:**
+
+    - `xs`: a sequence of `n` pytrees of identical structure and shapes.
+    - `axis_name`: a mesh axis name or a tuple of them.
+    - `shift_up`: shift the running sums up (device 0 sends to device 1) or down.
+
+    **Returns:**
+
+    This device's summed block, a pytree like `xs[0]`.
+
+    **Raises:**
+
+    `SpecError` if `len(xs)` differs from the size of the axis.
+    """
+    _check_partials(xs, axis_name, "async_scatter")
+    return _ring_sum(xs, axis_name, 1 if shift_up else -1)
+
+
+def async_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: AxisName) -> PyTree[Shaped[Array, "..."]]:
+    """Reduce-scatter of half partials in opposite directions, in ring-offset order.
+
+    The last dimension of each partial is split in halves; the first halves are summed
+    as `async_scatter(..., shift_up=True)` and the second as
+    `async_scatter(..., shift_up=False)`, and the two sums concatenated. The halves of
+    one partial therefore end on different devices (`j - k - 1` and `j + k + 1`).
+
+    **Arguments:**
+
+    - `xs`: a sequence of `n` pytrees of identical structure and shapes with an even last
+      dimension.
+    - `axis_name`: a mesh axis name or a tuple of them.
+
+    **Returns:**
+
+    This device's summed block, a pytree like `xs[0]`.
+
+    **Raises:**
+
+    `SpecError` if `len(xs)` differs from the size of the axis or a last dimension is odd.
+    """
+    _check_partials(xs, axis_name, "async_scatter_split")
     halves = [_split_last(x, "async_scatter_split") for x in xs]
-    lo = async_scatter([h[0] for h in halves], axis_name, shift_up=True)
-    hi = async_scatter([h[1] for h in halves], axis_name, shift_up=False)
+    lo = _ring_sum([h[0] for h in halves], axis_name, 1)
+    hi = _ring_sum([h[1] for h in halves], axis_name, -1)
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), lo, hi)
 
 
