@@ -1,10 +1,7 @@
 """The functional train step, `TrainState`, checkpoints and data."""
 
-from ._checkpoint import (
-    Checkpointer as Checkpointer,
-    export_model as export_model,
-    import_model as import_model,
-)
+from ._checkpoint import Checkpointer as Checkpointer
+from ._export import export_model as export_model, import_model as import_model
 from ._data import (
     ByteCorpus as ByteCorpus,
     get_batch as get_batch,

@@ -1,17 +1,9 @@
-"""Checkpoints with orbax-checkpoint, restored onto any layout, and plain-Equinox export.
+"""Checkpoints with orbax-checkpoint, restored onto any layout.
 
-**What a checkpoint holds.** Every array of the saved pytree (a `TrainState`, a model,
-any pytree of arrays, `Sharded` boxes and non-array leaves) goes into one flat
-dictionary `{path: array}` keyed by the array's pytree path as `equishard` prints it
-(`model.blocks.attn.wq`, `opt_state[0].mu.blocks.attn.wq`, `key`), or by the key a
-`path_map` makes of that path, saved by orbax's `StandardSave` under the item `arrays`. A box is stored as its array under the box's
-path. Typed PRNG keys (`jax.random.key`) are stored as their `key_data` and re-wrapped
-on restore. Non-array leaves (static fields, activation functions, Python numbers) are
-not stored: they come from the template given to `Checkpointer.restore`. A JSON item
-`meta` records the format, the versions, the step, the caller's metadata (e.g. the
-model configuration) and every stored path with its global shape, dtype and spec, so
-a template that does not fit is diagnosed, naming the first differing path, before
-orbax reads any array.
+**What a checkpoint holds.** One flat dictionary `{path: array}` of the saved pytree's
+arrays, saved by orbax's `StandardSave` under the item `arrays`, and a JSON item `meta`
+(see `equishard.train._format`): a template that does not fit is diagnosed, naming the
+first differing path, before orbax reads any array.
 
 **Layout.** `Checkpointer.restore` places each array where the template says (the
 template's shardings, or its specs on a given mesh): a checkpoint saved under
@@ -25,15 +17,11 @@ removed when the directory is next opened. Nothing is ever written over an exist
 step: saving a step that exists raises `CheckpointError` (or, with `exist_ok=True`,
 leaves it untouched). Saves are asynchronous; close the `Checkpointer` before the
 program ends, or the step still being written is discarded (never half-kept).
-
-**Export.** `export_model` / `import_model` move a model out of and into equishard as a
-plain single-device Equinox model file (`eqx.tree_serialise_leaves`).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import os
 import pathlib
@@ -42,212 +30,28 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import equinox as eqx
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
-from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh
 from jaxtyping import PyTree
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from .._errors import CheckpointError
-from ..sharding import gather, is_array_like, is_sharded, path_str, specs_of, unbox
-from ..sharding._specs import check_spec
+from ._format import (
+    FORMAT,
+    FORMAT_VERSION,
+    array_record,
+    check_fits,
+    first_line,
+    flatten,
+    rebuild,
+    storable,
+    target,
+)
 
-FORMAT = "equishard.checkpoint"
-FORMAT_VERSION = 1
 _ARRAYS = "arrays"
 _META = "meta"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-
-
-# ---------------------------------------------------------------------------------------
-# Flattening a pytree into {path: array}
-# ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One array of a pytree: where it is among the leaves, its path, value and spec."""
-
-    index: int
-    path: str
-    value: Any
-    spec: P
-
-    @property
-    def is_key(self) -> bool:
-        return _is_key_dtype(self.value.dtype)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.value.dtype)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(int(d) for d in self.value.shape)
-
-
-def _is_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _flatten(
-    tree: PyTree, path_map: Callable[[str], str] | None = None
-) -> tuple[list[Any], Any, list[_Entry]]:
-    """The leaves (boxes kept whole), the treedef, and one `_Entry` per array.
-
-    An entry's `path` is the key it is stored under: the pytree path as a string, passed
-    through `path_map` if given.
-    """
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
-    leaves = [leaf for _, leaf in with_paths]
-    entries: list[_Entry] = []
-    seen: dict[str, str] = {}
-    for index, (key_path, leaf) in enumerate(with_paths):
-        value = leaf.value if is_sharded(leaf) else leaf
-        if not is_array_like(value):
-            continue
-        original = path_str(key_path)
-        path = original if path_map is None else path_map(original)
-        if path in seen:
-            raise CheckpointError(
-                f"the arrays `{seen[path]}` and `{original}` of the tree would both be stored "
-                f"under the key `{path}`; rename a field or dictionary key (or fix the "
-                f"checkpointer's path_map) so that keys are unique."
-            )
-        seen[path] = original
-        spec = specs_of(leaf)
-        entries.append(_Entry(index, path, value, spec if isinstance(spec, P) else P()))
-    return leaves, treedef, entries
-
-
-def _key_impl_name(key: Any) -> str:
-    return str(jax.random.key_impl(key))
-
-
-def _storable(entry: _Entry) -> Any:
-    """The array orbax writes for an entry: the key data of a key, else the array."""
-    value = entry.value
-    if isinstance(value, jax.ShapeDtypeStruct) or isinstance(value, Tracer):
-        raise CheckpointError(
-            f"cannot save `{entry.path}`: it is {type(value).__name__}, not a concrete "
-            f"array (save outside `jit`, the state a step returned)."
-        )
-    if isinstance(value, jax.Array) and value.is_deleted():
-        raise CheckpointError(
-            f"cannot save `{entry.path}`: its array has been deleted, most likely donated "
-            f"to a jitted train step; save the state the step returned instead."
-        )
-    if entry.is_key:
-        return jax.random.key_data(value)
-    if isinstance(value, np.generic):
-        return np.asarray(value)
-    return value
-
-
-def _array_record(entry: _Entry) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "path": entry.path,
-        "shape": list(entry.shape),
-        "dtype": entry.dtype_name,
-        "spec": str(entry.spec),
-    }
-    if entry.is_key:
-        record["key_impl"] = _key_impl_name(entry.value)
-    return record
-
-
-# ---------------------------------------------------------------------------------------
-# Restoring: targets, checks, rebuilding
-# ---------------------------------------------------------------------------------------
-
-
-def _target_sharding(entry: _Entry, mesh: Mesh | None, where: str) -> jax.sharding.Sharding:
-    """Where the restored array goes: the spec on `mesh`, else the template's sharding."""
-    if mesh is not None:
-        check_spec(entry.path, entry.shape, entry.spec, mesh)
-        return NamedSharding(mesh, entry.spec)
-    sharding = getattr(entry.value, "sharding", None)
-    if isinstance(sharding, jax.sharding.Sharding):
-        return sharding
-    if any(axis is not None for axis in entry.spec):
-        raise CheckpointError(
-            f"cannot restore {where}: `{entry.path}` has spec {entry.spec} in the template "
-            f"but no sharding and no mesh was given; pass `mesh=` (templates from "
-            f"`eqx.filter_eval_shape` carry specs, not shardings)."
-        )
-    return SingleDeviceSharding(jax.local_devices()[0])
-
-
-def _target(entry: _Entry, mesh: Mesh | None, where: str) -> jax.ShapeDtypeStruct:
-    shape, dtype = entry.shape, entry.value.dtype
-    if entry.is_key:
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-        shape, dtype = data.shape, data.dtype
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=_target_sharding(entry, mesh, where))
-
-
-def _rebuild(leaf: Any, entry: _Entry, restored: Any, record: Mapping[str, Any]) -> Any:
-    """Put a restored array back where the template's leaf was (in its box, as a key)."""
-    if entry.is_key:
-        restored = jax.random.wrap_key_data(restored, impl=record["key_impl"])
-    if isinstance(entry.value, (np.ndarray, np.generic)):
-        restored = np.asarray(restored)
-    return leaf.with_value(restored) if is_sharded(leaf) else restored
-
-
-def _first_line(err: BaseException, limit: int = 300) -> str:
-    text = str(err).strip().splitlines()
-    line = text[0] if text else ""
-    line = line if len(line) <= limit else line[:limit] + "..."
-    return f"{type(err).__name__}: {line}" if line else type(err).__name__
-
-
-def _describe_config(meta: Mapping[str, Any]) -> str:
-    user = meta.get("user")
-    if not user:
-        return ""
-    return f" It was saved with the metadata {json.dumps(user, sort_keys=True)}."
-
-
-def _check_fits(
-    meta: Mapping[str, Any], entries: list[_Entry], where: str
-) -> dict[str, Mapping[str, Any]]:
-    """Raise a `CheckpointError` naming the first array where checkpoint and template differ."""
-    saved = {r["path"]: r for r in meta["arrays"]}
-    counts = f"(the checkpoint holds {len(saved)} arrays, the template {len(entries)})"
-    hint = _describe_config(meta)
-    template_paths = {e.path for e in entries}
-    for e in entries:
-        record = saved.get(e.path)
-        if record is None:
-            raise CheckpointError(
-                f"{where} does not fit the template: the template has an array `{e.path}` "
-                f"(shape {e.shape}) that the checkpoint lacks {counts}; the checkpoint is of "
-                f"a different model.{hint}"
-            )
-        shape = tuple(record["shape"])
-        if shape != e.shape:
-            raise CheckpointError(
-                f"{where} does not fit the template: `{e.path}` has shape {shape} in the "
-                f"checkpoint but {e.shape} in the template; the checkpoint is of a "
-                f"different model size.{hint}"
-            )
-        if record["dtype"] != e.dtype_name:
-            raise CheckpointError(
-                f"{where} does not fit the template: `{e.path}` has dtype "
-                f"{record['dtype']} in the checkpoint but {e.dtype_name} in the template.{hint}"
-            )
-    extra = [p for p in saved if p not in template_paths]
-    if extra:
-        raise CheckpointError(
-            f"{where} does not fit the template: the checkpoint holds an array `{extra[0]}` "
-            f"(shape {tuple(saved[extra[0]]['shape'])}) that the template lacks {counts}; "
-            f"the checkpoint is of a different model.{hint}"
-        )
-    return saved
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,7 +64,7 @@ def _close_manager(manager: ocp.CheckpointManager) -> None:
     manager.close()
 
 
-_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 @atexit.register
@@ -366,7 +170,7 @@ class Checkpointer:
         """The checkpoint directory (absolute)."""
         return self._directory
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -440,19 +244,19 @@ class Checkpointer:
                 f"{self._where(step)} already exists, and equishard never writes over a "
                 f"checkpoint; save under another step, or move that step away first."
             )
-        _, _, entries = _flatten(state, self._path_map)
+        _, _, entries = flatten(state, self._path_map)
         if not entries:
             raise CheckpointError(
                 f"nothing to save at step {step} in {self._directory}: the state holds no arrays."
             )
-        arrays = {e.path: _storable(e) for e in entries}
+        arrays = {e.path: storable(e) for e in entries}
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": step,
             "versions": _versions(),
             "user": self._user_metadata,
-            "arrays": [_array_record(e) for e in entries],
+            "arrays": [array_record(e) for e in entries],
         }
         args = ocp.args.Composite(
             **{_ARRAYS: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}
@@ -479,7 +283,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - any failure of the background write
             raise CheckpointError(
-                f"writing a checkpoint in {self._directory} failed ({_first_line(err)}); "
+                f"writing a checkpoint in {self._directory} failed ({first_line(err)}); "
                 f"the incomplete step was not finalised and will be ignored."
             ) from None
 
@@ -553,7 +357,7 @@ class Checkpointer:
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(
                 f"{self._where(step)} is corrupt or incomplete: its metadata could not be "
-                f"read ({_first_line(err)}). Restore another step ({self.all_steps()})."
+                f"read ({first_line(err)}). Restore another step ({self.all_steps()})."
             ) from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(
@@ -594,9 +398,9 @@ class Checkpointer:
         meta = self.read_metadata(step)
         step = int(meta["step"])
         where = self._where(step)
-        leaves, treedef, entries = _flatten(like, self._path_map)
-        saved = _check_fits(meta, entries, where)
-        targets = {e.path: _target(e, mesh, where) for e in entries}
+        leaves, treedef, entries = flatten(like, self._path_map)
+        saved = check_fits(meta, entries, where)
+        targets = {e.path: target(e, mesh, where) for e in entries}
         try:
             out = self._manager.restore(
                 step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(targets)})
@@ -606,10 +410,10 @@ class Checkpointer:
             others = [s for s in self.all_steps() if s != step]
             raise CheckpointError(
                 f"{where} is corrupt or incomplete: its arrays could not be read "
-                f"({_first_line(err)}). Other steps there: {others}."
+                f"({first_line(err)}). Other steps there: {others}."
             ) from None
         for e in entries:
-            leaves[e.index] = _rebuild(leaves[e.index], e, arrays[e.path], saved[e.path])
+            leaves[e.index] = rebuild(leaves[e.index], e, arrays[e.path], saved[e.path])
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -623,91 +427,3 @@ def _versions() -> dict[str, str]:
     }
 
 
-# ---------------------------------------------------------------------------------------
-# Plain-Equinox export
-# ---------------------------------------------------------------------------------------
-
-
-def _eqx_path(path: str | os.PathLike[str]) -> pathlib.Path:
-    """Equinox's rule: a path without a suffix gets `.eqx`."""
-    path = pathlib.Path(path)
-    return path.with_suffix(".eqx") if path.suffix == "" else path
-
-
-def export_model(model: PyTree, path: str | os.PathLike[str]) -> pathlib.Path:
-    """Write a model as a plain single-device Equinox model file.
-
-    Every array is gathered whole onto one device and every `Sharded` box replaced by
-    its array (`unbox`), then the leaves are written with `eqx.tree_serialise_leaves`.
-    The file is written under a temporary name and renamed, so a reader never sees a
-    partial file. Read it back with `import_model`, or with plain
-    `eqx.tree_deserialise_leaves(path, like)` where `like` is the model built without
-    equishard's boxes. In a multi-process run every process calls it and process 0
-    writes.
-
-    **Arguments:**
-
-    - `model`: the model (or any pytree), possibly sharded and boxed.
-    - `path`: the file; `.eqx` is appended when it has no suffix (Equinox's rule).
-
-    **Returns:**
-
-    The path written.
-    """
-    path = _eqx_path(path)
-    plain = unbox(gather(model))
-    if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                eqx.tree_serialise_leaves(f, plain)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path
-
-
-def import_model(path: str | os.PathLike[str], like: PyTree) -> PyTree:
-    """Read a model file written by `export_model` (or `eqx.tree_serialise_leaves`).
-
-    **Arguments:**
-
-    - `path`: the file (`.eqx` appended when it has no suffix).
-    - `like`: a template: the plain model (e.g. built with `eqx.filter_eval_shape`), or
-      an equishard model with `Sharded` boxes, whose boxes are then refilled with the
-      loaded arrays (place the result with `equishard.shard(model, mesh)`).
-
-    **Returns:**
-
-    `like` with its arrays read from the file (on the default device).
-
-    **Raises:**
-
-    `CheckpointError` naming the file if it is missing, truncated, holds more or
-    fewer arrays than `like`, or an array of another shape or dtype.
-    """
-    path = _eqx_path(path)
-    if not path.is_file():
-        raise CheckpointError(f"cannot import a model: there is no file {path.absolute()}.")
-    try:
-        with open(path, "rb") as f:
-            plain = eqx.tree_deserialise_leaves(f, unbox(like))
-            trailing = f.read(1)
-    except Exception as err:  # noqa: BLE001
-        root: BaseException = err
-        while root.__cause__ is not None:
-            root = root.__cause__
-        detail = _first_line(err) if root is err else f"{_first_line(err)}: {_first_line(root)}"
-        raise CheckpointError(
-            f"cannot import the model in {path.absolute()}: it does not fit the template "
-            f"or is truncated ({detail})."
-        ) from None
-    if trailing:
-        raise CheckpointError(
-            f"cannot import the model in {path.absolute()}: the file holds more arrays than "
-            f"the template; it was exported from a different model."
-        )
-    return jax.tree.map(
-        lambda t, v: t.with_value(v) if is_sharded(t) else v, like, plain, is_leaf=is_sharded
-    )

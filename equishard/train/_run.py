@@ -31,7 +31,8 @@ from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
 from ..models._gpt import canonical_path, to_single_device
 from ..sharding import filter_shard_map, format_param_table, gather
-from ._checkpoint import Checkpointer, export_model
+from ._checkpoint import Checkpointer
+from ._export import export_model
 from ._data import ByteCorpus, get_batch, load_stdlib_corpus
 from ._layout import Layout
 from ._step import TrainState, init_train_state, make_train_step

@@ -1,0 +1,103 @@
+"""Moving a model out of and into equishard as a plain single-device Equinox model file."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import equinox as eqx
+import jax
+from jaxtyping import PyTree
+
+from .._errors import CheckpointError
+from ..sharding import gather, is_sharded, unbox
+from ._format import first_line
+
+# ---------------------------------------------------------------------------------------
+# Plain-Equinox export
+# ---------------------------------------------------------------------------------------
+
+
+def _eqx_path(path: str | os.PathLike[str]) -> pathlib.Path:
+    """Equinox's rule: a path without a suffix gets `.eqx`."""
+    path = pathlib.Path(path)
+    return path.with_suffix(".eqx") if path.suffix == "" else path
+
+
+def export_model(model: PyTree, path: str | os.PathLike[str]) -> pathlib.Path:
+    """Write a model as a plain single-device Equinox model file.
+
+    Every array is gathered whole onto one device and every `Sharded` box replaced by
+    its array (`unbox`), then the leaves are written with `eqx.tree_serialise_leaves`.
+    The file is written under a temporary name and renamed, so a reader never sees a
+    partial file. Read it back with `import_model`, or with plain
+    `eqx.tree_deserialise_leaves(path, like)` where `like` is the model built without
+    equishard's boxes. In a multi-process run every process calls it and process 0
+    writes.
+
+    **Arguments:**
+
+    - `model`: the model (or any pytree), possibly sharded and boxed.
+    - `path`: the file; `.eqx` is appended when it has no suffix (Equinox's rule).
+
+    **Returns:**
+
+    The path written.
+    """
+    path = _eqx_path(path)
+    plain = unbox(gather(model))
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                eqx.tree_serialise_leaves(f, plain)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def import_model(path: str | os.PathLike[str], like: PyTree) -> PyTree:
+    """Read a model file written by `export_model` (or `eqx.tree_serialise_leaves`).
+
+    **Arguments:**
+
+    - `path`: the file (`.eqx` appended when it has no suffix).
+    - `like`: a template: the plain model (e.g. built with `eqx.filter_eval_shape`), or
+      an equishard model with `Sharded` boxes, whose boxes are then refilled with the
+      loaded arrays (place the result with `equishard.shard(model, mesh)`).
+
+    **Returns:**
+
+    `like` with its arrays read from the file (on the default device).
+
+    **Raises:**
+
+    `CheckpointError` naming the file if it is missing, truncated, holds more or
+    fewer arrays than `like`, or an array of another shape or dtype.
+    """
+    path = _eqx_path(path)
+    if not path.is_file():
+        raise CheckpointError(f"cannot import a model: there is no file {path.absolute()}.")
+    try:
+        with open(path, "rb") as f:
+            plain = eqx.tree_deserialise_leaves(f, unbox(like))
+            trailing = f.read(1)
+    except Exception as err:  # noqa: BLE001
+        root: BaseException = err
+        while root.__cause__ is not None:
+            root = root.__cause__
+        detail = first_line(err) if root is err else f"{first_line(err)}: {first_line(root)}"
+        raise CheckpointError(
+            f"cannot import the model in {path.absolute()}: it does not fit the template "
+            f"or is truncated ({detail})."
+        ) from None
+    if trailing:
+        raise CheckpointError(
+            f"cannot import the model in {path.absolute()}: the file holds more arrays than "
+            f"the template; it was exported from a different model."
+        )
+    return jax.tree.map(
+        lambda t, v: t.with_value(v) if is_sharded(t) else v, like, plain, is_leaf=is_sharded
+    )

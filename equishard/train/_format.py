@@ -1,0 +1,222 @@
+"""The checkpoint format: a pytree as one flat dictionary `{path: array}` plus JSON metadata.
+
+Every array of the saved pytree (a `TrainState`, a model, any pytree of arrays, `Sharded`
+boxes and non-array leaves) is stored under its pytree path as `equishard` prints it
+(`model.blocks.attn.wq`, `opt_state[0].mu.blocks.attn.wq`, `key`), or under the key a
+`path_map` makes of that path. A box is stored as its array under the box's path. Typed
+PRNG keys (`jax.random.key`) are stored as their `key_data` and re-wrapped on restore.
+Non-array leaves (static fields, activation functions, Python numbers) are not stored:
+they come from the template given at restore. The metadata records the format, the
+versions, the step, the caller's metadata and every stored path with its global shape,
+dtype and spec, so a template that does not fit is diagnosed, naming the first differing
+path, before any array is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from .._errors import CheckpointError
+from ..sharding import is_array_like, is_sharded, path_str, specs_of
+from ..sharding._specs import check_spec
+
+FORMAT = "equishard.checkpoint"
+FORMAT_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------
+# Flattening a pytree into {path: array}
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One array of a pytree: where it is among the leaves, its path, value and spec."""
+
+    index: int
+    path: str
+    value: Any
+    spec: P
+
+    @property
+    def is_key(self) -> bool:
+        return is_key_dtype(self.value.dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.value.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.value.shape)
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def flatten(
+    tree: PyTree, path_map: Callable[[str], str] | None = None
+) -> tuple[list[Any], Any, list[Entry]]:
+    """The leaves (boxes kept whole), the treedef, and one `Entry` per array.
+
+    An entry's `path` is the key it is stored under: the pytree path as a string, passed
+    through `path_map` if given.
+    """
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
+    leaves = [leaf for _, leaf in with_paths]
+    entries: list[Entry] = []
+    seen: dict[str, str] = {}
+    for index, (key_path, leaf) in enumerate(with_paths):
+        value = leaf.value if is_sharded(leaf) else leaf
+        if not is_array_like(value):
+            continue
+        original = path_str(key_path)
+        path = original if path_map is None else path_map(original)
+        if path in seen:
+            raise CheckpointError(
+                f"the arrays `{seen[path]}` and `{original}` of the tree would both be stored "
+                f"under the key `{path}`; rename a field or dictionary key (or fix the "
+                f"checkpointer's path_map) so that keys are unique."
+            )
+        seen[path] = original
+        spec = specs_of(leaf)
+        entries.append(Entry(index, path, value, spec if isinstance(spec, P) else P()))
+    return leaves, treedef, entries
+
+
+def _key_impl_name(key: Any) -> str:
+    return str(jax.random.key_impl(key))
+
+
+def storable(entry: Entry) -> Any:
+    """The array orbax writes for an entry: the key data of a key, else the array."""
+    value = entry.value
+    if isinstance(value, jax.ShapeDtypeStruct) or isinstance(value, Tracer):
+        raise CheckpointError(
+            f"cannot save `{entry.path}`: it is {type(value).__name__}, not a concrete "
+            f"array (save outside `jit`, the state a step returned)."
+        )
+    if isinstance(value, jax.Array) and value.is_deleted():
+        raise CheckpointError(
+            f"cannot save `{entry.path}`: its array has been deleted, most likely donated "
+            f"to a jitted train step; save the state the step returned instead."
+        )
+    if entry.is_key:
+        return jax.random.key_data(value)
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    return value
+
+
+def array_record(entry: Entry) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "path": entry.path,
+        "shape": list(entry.shape),
+        "dtype": entry.dtype_name,
+        "spec": str(entry.spec),
+    }
+    if entry.is_key:
+        record["key_impl"] = _key_impl_name(entry.value)
+    return record
+
+
+# ---------------------------------------------------------------------------------------
+# Restoring: targets, checks, rebuilding
+# ---------------------------------------------------------------------------------------
+
+
+def _target_sharding(entry: Entry, mesh: Mesh | None, where: str) -> jax.sharding.Sharding:
+    """Where the restored array goes: the spec on `mesh`, else the template's sharding."""
+    if mesh is not None:
+        check_spec(entry.path, entry.shape, entry.spec, mesh)
+        return NamedSharding(mesh, entry.spec)
+    sharding = getattr(entry.value, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    if any(axis is not None for axis in entry.spec):
+        raise CheckpointError(
+            f"cannot restore {where}: `{entry.path}` has spec {entry.spec} in the template "
+            f"but no sharding and no mesh was given; pass `mesh=` (templates from "
+            f"`eqx.filter_eval_shape` carry specs, not shardings)."
+        )
+    return SingleDeviceSharding(jax.local_devices()[0])
+
+
+def target(entry: Entry, mesh: Mesh | None, where: str) -> jax.ShapeDtypeStruct:
+    shape, dtype = entry.shape, entry.value.dtype
+    if entry.is_key:
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+        shape, dtype = data.shape, data.dtype
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_target_sharding(entry, mesh, where))
+
+
+def rebuild(leaf: Any, entry: Entry, restored: Any, record: Mapping[str, Any]) -> Any:
+    """Put a restored array back where the template's leaf was (in its box, as a key)."""
+    if entry.is_key:
+        restored = jax.random.wrap_key_data(restored, impl=record["key_impl"])
+    if isinstance(entry.value, (np.ndarray, np.generic)):
+        restored = np.asarray(restored)
+    return leaf.with_value(restored) if is_sharded(leaf) else restored
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    text = str(err).strip().splitlines()
+    line = text[0] if text else ""
+    line = line if len(line) <= limit else line[:limit] + "..."
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
+
+
+def _describe_config(meta: Mapping[str, Any]) -> str:
+    user = meta.get("user")
+    if not user:
+        return ""
+    return f" It was saved with the metadata {json.dumps(user, sort_keys=True)}."
+
+
+def check_fits(
+    meta: Mapping[str, Any], entries: list[Entry], where: str
+) -> dict[str, Mapping[str, Any]]:
+    """Raise a `CheckpointError` naming the first array where checkpoint and template differ."""
+    saved = {r["path"]: r for r in meta["arrays"]}
+    counts = f"(the checkpoint holds {len(saved)} arrays, the template {len(entries)})"
+    hint = _describe_config(meta)
+    template_paths = {e.path for e in entries}
+    for e in entries:
+        record = saved.get(e.path)
+        if record is None:
+            raise CheckpointError(
+                f"{where} does not fit the template: the template has an array `{e.path}` "
+                f"(shape {e.shape}) that the checkpoint lacks {counts}; the checkpoint is of "
+                f"a different model.{hint}"
+            )
+        shape = tuple(record["shape"])
+        if shape != e.shape:
+            raise CheckpointError(
+                f"{where} does not fit the template: `{e.path}` has shape {shape} in the "
+                f"checkpoint but {e.shape} in the template; the checkpoint is of a "
+                f"different model size.{hint}"
+            )
+        if record["dtype"] != e.dtype_name:
+            raise CheckpointError(
+                f"{where} does not fit the template: `{e.path}` has dtype "
+                f"{record['dtype']} in the checkpoint but {e.dtype_name} in the template.{hint}"
+            )
+    extra = [p for p in saved if p not in template_paths]
+    if extra:
+        raise CheckpointError(
+            f"{where} does not fit the template: the checkpoint holds an array `{extra[0]}` "
+            f"(shape {tuple(saved[extra[0]]['shape'])}) that the template lacks {counts}; "
+            f"the checkpoint is of a different model.{hint}"
+        )
+    return saved
