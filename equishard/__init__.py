@@ -8,6 +8,7 @@ public namespaces.
 from . import core as core, distributed as distributed, nn as nn, sharding as sharding
 from ._errors import (
     CheckpointError as CheckpointError,
+    ConventionError as ConventionError,
     EquishardError as EquishardError,
     LayerConfigError as LayerConfigError,
     MeshError as MeshError,
@@ -22,6 +23,7 @@ from .sharding import (
     check_threefry_partitionable as check_threefry_partitionable,
     filter_shard_map as filter_shard_map,
     format_param_table as format_param_table,
+    fsdp_split_params as fsdp_split_params,
     gather as gather,
     is_sharded as is_sharded,
     make_mesh as make_mesh,

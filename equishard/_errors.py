@@ -29,3 +29,12 @@ class LayerConfigError(EquishardError):
 
 class CheckpointError(EquishardError):
     """A checkpoint is missing, corrupt, or does not fit the model."""
+
+
+class ConventionError(EquishardError):
+    """A function of one gradient convention was called under the other.
+
+    xLSTM-JAX's local-loss functions (`gather_params`, `gather_array_with_mean_grads`,
+    `shard_module_params`, `sync_gradients`) need `shard_map(..., check_vma=False)`;
+    equishard's own functions differentiate the global loss with the check on.
+    """

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import collective_bytes, count_collectives, mp_copy, mp_reduce, read_collectives
-from equishard.nn import FSDP, gather_params, shard_module_params
+from equishard.nn import FSDP, fsdp_gather_params, gather_params
 
 from .helpers import assert_tree_allclose
 
@@ -195,7 +195,7 @@ def test_fsdp_wraps_an_unmodified_equinox_module():
     key = jax.random.key(3)
     mlp = eqx.nn.MLP(16, 8, 64, depth=2, key=key)
     wrapped = es.sharded_init(
-        lambda k: shard_module_params(eqx.nn.MLP(16, 8, 64, depth=2, key=k), "fsdp", 0), key, mesh=mesh
+        lambda k: FSDP(eqx.nn.MLP(16, 8, 64, depth=2, key=k), "fsdp", min_weight_size=0), key, mesh=mesh
     )
     assert isinstance(wrapped.module.layers[0].weight, es.sharding.AutoSharded)
     assert wrapped.module.layers[0].weight.spec == P("fsdp", None)  # [64, 16]: 64 is larger
@@ -224,7 +224,7 @@ def test_shard_params_rules(caplog):
         "tie": jnp.zeros((8, 8)),
     }
     with caplog.at_level(logging.INFO, logger="equishard"):
-        out = es.shard_params(tree, "fsdp", min_weight_size=16, mesh=mesh)
+        out = es.fsdp_split_params(tree, "fsdp", min_weight_size=16, mesh=mesh)
     specs = es.specs_of(out)
     assert specs["tp_matrix"] == P("fsdp", "tp")  # the tp dimension stays as it is
     assert specs["matrix"] == P(None, "fsdp")
@@ -234,6 +234,12 @@ def test_shard_params_rules(caplog):
     messages = caplog.text
     assert "`['odd']` (9, 7)" in messages and "no free dimension is divisible by 4" in messages
     assert "`['small']` (4,)" in messages and "below min_weight_size=16" in messages
+    # xLSTM-JAX's rule (shard_params): ties to the later dimension, size <= minimum stays.
+    ref = es.specs_of(es.shard_params({**tree, "sixteen": jnp.zeros((16,))}, "fsdp", 16, mesh=mesh))
+    assert ref["tie"] == P(None, "fsdp") and ref["sixteen"] == P()
+    assert es.specs_of(es.fsdp_split_params({"sixteen": jnp.zeros((16,))}, "fsdp", 16, mesh=mesh)) == {
+        "sixteen": P("fsdp")
+    }
 
 
 def test_shard_params_inside_shard_map_keeps_the_local_slice():
@@ -264,7 +270,7 @@ def test_gather_params_mixed_precision():
     for scatter in (jnp.float32, jnp.bfloat16):
 
         def loss(params, x, scatter=scatter):
-            full = gather_params(params, "fsdp", jnp.bfloat16, scatter)
+            full = fsdp_gather_params(params, "fsdp", jnp.bfloat16, scatter)
             assert full["w"].dtype == jnp.bfloat16
             return jax.lax.pmean(jnp.mean((x @ full["w"].astype(jnp.float32)) ** 2), "fsdp")
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import equishard as es
-from equishard.nn import gather_params
+from equishard.nn import fsdp_gather_params
 
 from .helpers import assert_tree_allclose
 
@@ -54,7 +54,7 @@ def dp_loss(params, x, t):
 
 def fsdp_loss(params, x, t):
     # Weights split over (dp, tp) on their input dimension, gathered before use.
-    full = es.unbox(gather_params(params, ("dp", "tp")))
+    full = es.unbox(fsdp_gather_params(params, ("dp", "tp")))
     return jax.lax.pmean(reference_loss(full, x, t), ("dp", "tp"))
 
 
@@ -81,7 +81,7 @@ def tp_loss(params, x, t):
 def fsdp_tp_loss(params, x, t):
     # Weights over ("tp", "dp") on their input dimension: gathering over dp leaves each
     # tp device its row block, as plain TP has it.
-    return _tp_loss(_tp_forward(es.unbox(gather_params(params, "dp")), x), t)
+    return _tp_loss(_tp_forward(es.unbox(fsdp_gather_params(params, "dp")), x), t)
 
 
 LAYOUTS = {

@@ -1,10 +1,10 @@
 """The all-gather of a sharded parameter, under either gradient convention.
 
-- `gather_array`: equishard's convention (DESIGN "Gradient convention": the function
-  differentiated returns the global loss). The sum over the devices of the axis of each
+- `gather_array`: equishard's convention (the function differentiated returns the
+  global loss). The sum over the devices of the axis of each
   device's cotangent is exactly the gradient of the global loss, so the backward pass
   is one reduce-scatter — never an all-reduce.
-- `gather_array_with_mean_grads`: the seeds' local-loss convention (each device
+- `gather_array_with_mean_grads`: xLSTM-JAX's local-loss convention (each device
   differentiates its own local loss); the reduce-scattered gradient is divided by the
   axis size, giving the gradient of the mean of the devices' losses.
 
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
-from ._collectives import AxisName, _normalise_dim, axis_tuple, combined_axis_size, to_varying
+from .._errors import ConventionError
+from ._collectives import AxisName, _normalise_dim, axis_tuple, combined_axis_size, to_varying, vma_checked
 
 
 def gather_array(
@@ -33,7 +34,7 @@ def gather_array(
 ) -> Shaped[Array, "..."]:
     """All-gather a sharded parameter; its gradient is reduce-scattered (summed).
 
-    For equishard's convention (see the module documentation); the twin for the seeds'
+    For equishard's convention (see the module documentation); the twin for xLSTM-JAX's
     local-loss convention is `gather_array_with_mean_grads`.
 
     Forward: cast to `gather_dtype`, all-gather along `axis`. Backward: cast the
@@ -75,11 +76,12 @@ def gather_array_with_mean_grads(
 ) -> Shaped[Array, "..."]:
     """All-gather a sharded parameter; its gradient is reduce-scattered and averaged.
 
-    For the seeds' *local-loss* convention (DESIGN "Gradient convention"): each device
+    For xLSTM-JAX's *local-loss* convention: each device
     differentiates its own local loss, and the gradient of the shard comes out as the
     gradient of the *mean* of the devices' losses, i.e. the single-device gradient of
-    the mean loss. (Under DESIGN's own convention, differentiating the global loss, use
-    `gather_array`.)
+    the mean loss. It is right only inside `shard_map(..., check_vma=False)` and raises
+    `ConventionError` with the varying-axes check on; under equishard's own convention
+    (differentiating the global, `pmean`-ed loss, check on) use `gather_array`.
 
     Forward: cast to `gather_dtype`, all-gather along `axis`. Backward: cast the
     cotangent to `grad_scatter_dtype`, reduce-scatter it along `axis`, divide by the
@@ -97,12 +99,41 @@ def gather_array_with_mean_grads(
 
     The gathered parameter, `x.shape` with dimension `axis` multiplied by the axis size,
     in `gather_dtype`.
+
+    **Raises:**
+
+    `ConventionError` if called with the varying-axes check on.
     """
     axes = axis_tuple(axis_name)
+    check_local_loss_convention("gather_array_with_mean_grads", axes)
     axis = _normalise_dim(x, axis, "gather_array_with_mean_grads")
     x = to_varying(x, axes)
     scatter = jnp.dtype(grad_scatter_dtype if grad_scatter_dtype is not None else x.dtype)
     return _gather(x, axes, axis, gather_dtype, scatter, jnp.dtype(x.dtype), True)
+
+
+def check_local_loss_convention(fn_name: str, axis_name: AxisName) -> None:
+    """Raise a `ConventionError` if `axis_name` is bound with the varying-axes check on.
+
+    The local-loss convention (each device differentiates its own loss, then
+    `sync_gradients`) is only right in `shard_map(..., check_vma=False)`: with the check
+    on, JAX's transposes already sum the gradients of replicated parameters over the
+    axis, and averaging again leaves them `n` times too large (an all-gather's averaged
+    gradient `n` times too small under the global loss).
+    """
+    axes = axis_tuple(axis_name)
+    if vma_checked(axes):
+        raise ConventionError(
+            f"{fn_name} follows the local-loss gradient convention (each device "
+            f"differentiates its own loss, gradients averaged by sync_gradients), which "
+            f"needs shard_map(..., check_vma=False); it was called over {axis_name!r} with "
+            f"the varying-axes check on, equishard's global-loss convention (the function "
+            f"differentiated returns the pmean-ed loss; gradients need no sync), where its "
+            f"gradients would be off by the axis size. Either pass check_vma=False to "
+            f"shard_map / filter_shard_map, or use equishard's own functions: gather_array, "
+            f"equishard.nn.fsdp_gather_params, equishard.nn.FSDP. See the guide "
+            f"'Coming from xLSTM-JAX or PyTorch'."
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))

@@ -337,18 +337,21 @@ def execute_pipeline_step(
     **Returns:**
 
     `(new_state, output)`: the output of the previous stage as received by this one,
-    and this stage's own output.
+    and — as in xLSTM-JAX — the stage's output on the last stage, zeros on every other
+    stage.
 
     **Raises:**
 
     `LayerConfigError` if the stage changes the activation's shape or dtype.
     """
+    num_stages = _num_stages(model_axis_name)
     stage = jax.lax.axis_index(model_axis_name)
     x = jnp.where(stage == 0, input, state)  # f32[b, ...] per stage
     out = module(x, *args, **kwargs)
     _check_stage_output(out, x, _stage_name(module))
+    output = jnp.where(stage == num_stages - 1, out, jnp.zeros_like(out))  # last stage only
     new_state = ring_shift(out, model_axis_name, offset=1)  # stage i -> stage i + 1
-    return new_state, out
+    return new_state, output
 
 
 def _num_stages(model_axis_name: str) -> int:

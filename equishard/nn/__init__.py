@@ -15,5 +15,10 @@ from ._transformer import (
     causal_attention as causal_attention,
     rotary_embedding as rotary_embedding,
 )
-from ._fsdp import FSDP as FSDP, gather_params as gather_params, shard_module_params as shard_module_params
+from ._fsdp import (
+    FSDP as FSDP,
+    fsdp_gather_params as fsdp_gather_params,
+    gather_params as gather_params,
+    shard_module_params as shard_module_params,
+)
 from ._pipeline import PipelineModule as PipelineModule

@@ -1,7 +1,7 @@
 """Fully-sharded data parallelism (FSDP / ZeRO-3) for any Equinox module.
 
-Parameters are stored split over a data axis (`shard_params`), all-gathered just before
-the module's call (`gather_params`) and — by default — gathered again in the backward
+Parameters are stored split over a data axis (`fsdp_split_params`), all-gathered just
+before the module's call (`fsdp_gather_params`) and — by default — gathered again in the backward
 pass instead of being kept alive from the forward pass. Under equishard's gradient
 convention the transpose of each all-gather is a reduce-scatter, so gradients come out
 split like their parameters and equal to the single-device gradients.
@@ -29,7 +29,8 @@ from jaxtyping import PyTree
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..sharding._box import Sharded, is_sharded
-from ..sharding._fsdp import AutoSharded, _bound_axis_size, shard_params
+from ..core._gather import check_local_loss_convention
+from ..sharding._fsdp import AutoSharded, _bound_axis_size, fsdp_split_params, shard_params
 from ..sharding._specs import is_array_like
 
 def _check_dtype(name: str, dtype: Any) -> None:
@@ -47,7 +48,7 @@ def _split_entry(spec: P, axes: tuple[str, ...]) -> tuple[int, Any] | None:
     return None
 
 
-def gather_params(
+def fsdp_gather_params(
     params: PyTree,
     axis_name: str | tuple[str, ...],
     gather_dtype: Any = None,
@@ -57,8 +58,11 @@ def gather_params(
 ) -> PyTree:
     """All-gather every array of `params` that is split over `axis_name` (inside `shard_map`).
 
-    The backward pass reduce-scatters each gathered array's gradient (in
-    `grad_scatter_dtype`) instead of all-reducing it.
+    equishard's gather of FSDP parameters (the one `FSDP` uses): the backward pass
+    reduce-scatters each gathered array's gradient (in `grad_scatter_dtype`) instead of
+    all-reducing it, and by default *sums* it — the gradient of the global loss under
+    equishard's convention. `gather_params` is xLSTM-JAX's function (mean gradients,
+    local-loss convention).
 
     **Arguments:**
 
@@ -72,7 +76,8 @@ def gather_params(
       parameter's dtype.
     - `mean_grads`: `False` (default) for equishard's convention (the function
       differentiated returns the global loss; gradients are summed). `True` for the
-      seeds' local-loss convention: `gather_array_with_mean_grads`, gradients averaged.
+      local-loss convention: `gather_array_with_mean_grads`, gradients averaged (only
+      under `check_vma=False`; it raises `ConventionError` otherwise).
 
     Outside `shard_map` (the axis not bound) the arrays are already whole and are only
     unwrapped, so an `FSDP` module also runs in the global view.
@@ -107,6 +112,44 @@ def gather_params(
         return Sharded(value, spec, leaf.shape)
 
     return jax.tree.map(whole, params, is_leaf=is_sharded)
+
+
+def gather_params(
+    params: PyTree,
+    axis_name: str | tuple[str, ...],
+    gather_dtype: Any = None,
+    grad_scatter_dtype: Any = None,
+) -> PyTree:
+    """xLSTM-JAX's `gather_params`: all-gather the split arrays, gradients *averaged*.
+
+    As `xlstm_jax.distributed.data_parallel.gather_params`: every array whose spec
+    names `axis_name` is all-gathered with `gather_array_with_mean_grads`, so its
+    gradient is reduce-scattered and divided by the axis size — the local-loss
+    convention (each device differentiates its own loss, then `sync_gradients`), run
+    in `shard_map(..., check_vma=False)`. With the varying-axes check on (equishard's
+    convention) it raises `ConventionError`; use `fsdp_gather_params` there.
+
+    **Arguments:**
+
+    - `params`: the local blocks, with their boxes (from `shard_params`).
+    - `axis_name`: the axis to gather over.
+    - `gather_dtype`: the dtype to gather in; `None` keeps each array's dtype.
+    - `grad_scatter_dtype`: the dtype of the gradient reduce-scatter; `None` uses each
+      parameter's dtype.
+
+    **Returns:**
+
+    `params` with the split arrays whole along `axis_name` (boxes `shard_params` added
+    become plain arrays again).
+
+    **Raises:**
+
+    `ConventionError` if called inside `shard_map` with the varying-axes check on.
+    """
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if all(_bound_axis_size(a) is not None for a in axes):
+        check_local_loss_convention("gather_params", axes)
+    return fsdp_gather_params(params, axis_name, gather_dtype, grad_scatter_dtype, mean_grads=True)
 
 
 def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTree:
@@ -144,7 +187,7 @@ class _GatherConfig(eqx.Module):
     def call(self, operands: Any, anchor: Any) -> Any:
         """Gather the module's parameters once `anchor` exists, then call it."""
         module, args, kwargs = operands
-        module = gather_params(
+        module = fsdp_gather_params(
             _after(module, anchor),
             self.axis_name,
             self.gather_dtype,
@@ -252,15 +295,19 @@ class FSDP(eqx.Module):
 
     - `module`: the module (a plain one or one of equishard's layers).
     - `axis_name`: the data axis to split parameters over.
-    - `min_weight_size`: arrays with fewer elements stay replicated.
+    - `min_weight_size`: arrays with fewer elements stay replicated (equishard's rule,
+      `fsdp_split_params`: global sizes, ties to the earlier dimension).
     - `gather_dtype`, `grad_scatter_dtype`: mixed precision of the gathers and of the
-      gradient reduce-scatters (see `gather_params`).
+      gradient reduce-scatters (see `fsdp_gather_params`).
     - `regather`: gather the parameters again in the backward pass instead of saving
       the gathered copies from the forward pass (the layer's forward is recomputed
       there too, as under `jax.checkpoint`, except its collectives over other axes —
       tensor-parallel all-reduces, expert all-to-alls — whose outputs are kept from the
       forward pass rather than sent twice). On by default.
-    - `mean_grads`: the seeds' local-loss convention (see `gather_params`).
+    - `mean_grads`: the local-loss convention (gradients averaged, see `gather_params`);
+      only under `check_vma=False`, it raises `ConventionError` otherwise.
+    - `split_rule`: `"fsdp"` (default, `fsdp_split_params`) or `"xlstm"` (xLSTM-JAX's
+      rule, `shard_params`, as `shard_module_params` uses).
     - `mesh`: outside `shard_map`, the mesh whose `axis_name` size decides divisibility
       (default: the ambient mesh, which `sharded_init` sets).
     """
@@ -282,11 +329,15 @@ class FSDP(eqx.Module):
         grad_scatter_dtype: Any = None,
         regather: bool = True,
         mean_grads: bool = False,
+        split_rule: str = "fsdp",
         mesh: Mesh | AbstractMesh | None = None,
     ):
         _check_dtype("gather_dtype", gather_dtype)
         _check_dtype("grad_scatter_dtype", grad_scatter_dtype)
-        self.module = shard_params(module, axis_name, min_weight_size, mesh=mesh)
+        if split_rule not in ("fsdp", "xlstm"):
+            raise LayerConfigError(f"FSDP: split_rule must be 'fsdp' or 'xlstm', got {split_rule!r}.")
+        split = fsdp_split_params if split_rule == "fsdp" else shard_params
+        self.module = split(module, axis_name, min_weight_size, mesh=mesh)
         self.axis_name = axis_name
         self.gather_dtype = gather_dtype
         self.grad_scatter_dtype = grad_scatter_dtype
@@ -305,6 +356,8 @@ class FSDP(eqx.Module):
         parameters are whole at a time; with `regather` the backward pass gathers
         them again after the layer's output cotangent arrives.
         """
+        if self.mean_grads and _bound_axis_size(self.axis_name) is not None:
+            check_local_loss_convention("FSDP(mean_grads=True) / shard_module_params", self.axis_name)
         operands = (self.module, args, kwargs)
         if self.regather:
             return _call_regathering(operands, self._config())
@@ -312,7 +365,7 @@ class FSDP(eqx.Module):
 
 
 def shard_module_params(
-    module: PyTree,
+    target: PyTree,
     axis_name: str,
     min_weight_size: int = 2**18,
     gather_dtype: Any = None,
@@ -320,13 +373,23 @@ def shard_module_params(
     *,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> FSDP:
-    """The seeds' `shard_module_params`: `module` wrapped in `FSDP`.
+    """xLSTM-JAX's `shard_module_params`: `target` with its parameters split over `axis_name`.
+
+    As `xlstm_jax.distributed.data_parallel.shard_module_params` (a Flax
+    `nn.map_variables` of `shard_params` / `gather_params`): the parameters are split
+    by `shard_params`'s rule and all-gathered before each call by `gather_params`, whose
+    gradients are averaged over the axis. The reference's recipe — each device's local
+    loss differentiated inside `shard_map(..., check_vma=False)`, then
+    `sync_gradients(grads, axis_names)` — gives the single-device gradients of the mean
+    loss. Under the varying-axes check (equishard's convention) the call raises
+    `ConventionError`; use `FSDP` there. (The returned module is an `FSDP` with
+    `mean_grads=True, split_rule="xlstm"`.)
 
     **Arguments:**
 
-    - `module`: any Equinox module (a user's own too).
+    - `target`: any Equinox module (a user's own too).
     - `axis_name`: the axis to split parameters over.
-    - `min_weight_size`: arrays with fewer elements stay replicated.
+    - `min_weight_size`: arrays of at most this many elements stay replicated.
     - `gather_dtype`, `grad_scatter_dtype`: see `gather_params`.
     - `mesh`: see `FSDP`.
 
@@ -335,10 +398,12 @@ def shard_module_params(
     An `FSDP` module: parameters stored split, gathered just before each call.
     """
     return FSDP(
-        module,
+        target,
         axis_name,
         min_weight_size=min_weight_size,
         gather_dtype=gather_dtype,
         grad_scatter_dtype=grad_scatter_dtype,
+        mean_grads=True,
+        split_rule="xlstm",
         mesh=mesh,
     )

@@ -9,7 +9,13 @@ from ._box import (
     restrict_specs as restrict_specs,
     unbox as unbox,
 )
-from ._fsdp import AutoSharded as AutoSharded, fsdp_dimension as fsdp_dimension, shard_params as shard_params
+from ._fsdp import (
+    AutoSharded as AutoSharded,
+    fsdp_dimension as fsdp_dimension,
+    fsdp_split_params as fsdp_split_params,
+    reference_dimension as reference_dimension,
+    shard_params as shard_params,
+)
 from ._init import check_threefry_partitionable as check_threefry_partitionable, sharded_init as sharded_init
 from ._mesh import make_mesh as make_mesh, parse_layout as parse_layout
 from ._place import gather as gather, shard as shard

@@ -1,4 +1,4 @@
-"""`sync_gradients`: the gradient reduction of the seeds' local-loss convention."""
+"""`sync_gradients`: the gradient reduction of xLSTM-JAX's local-loss convention."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
+from ..core._gather import check_local_loss_convention
 from ._box import is_sharded
 from ._specs import is_array_like, spec_axes
 
@@ -15,13 +16,14 @@ from ._specs import is_array_like, spec_axes
 def sync_gradients(grads: PyTree, axis_names: str | Sequence[str]) -> PyTree:
     """Average gradients over the axes their parameters are replicated on.
 
-    For the seeds' *local-loss* convention only (DESIGN "Gradient convention"): each
-    device differentiated its own local loss, so a parameter replicated over an axis
+    For xLSTM-JAX's *local-loss* convention only, inside
+    `shard_map(..., check_vma=False)`: each device differentiated its own local loss, so a parameter replicated over an axis
     has a different gradient on each device of it, and the mean over the axis is the
     gradient of the mean loss. A parameter partitioned over an axis is left alone
     there (its all-gather, `gather_array_with_mean_grads`, already averaged it). Under
-    equishard's own convention — differentiating the global loss — gradients need no
-    synchronisation and this function must not be used.
+    equishard's own convention — differentiating the global loss with the varying-axes
+    check on — gradients need no synchronisation, and this function raises
+    `ConventionError` there rather than returning gradients `n` times too large.
 
     Call inside `shard_map`. One call serves every axis, e.g. a (dp=2, fsdp=2, tp=2)
     mesh: `sync_gradients(grads, ("dp", "fsdp", "tp"))`.
@@ -35,8 +37,14 @@ def sync_gradients(grads: PyTree, axis_names: str | Sequence[str]) -> PyTree:
 
     `grads` with each array averaged over the axes of `axis_names` its spec does not
     name.
+
+    **Raises:**
+
+    `ConventionError` if called with the varying-axes check on.
     """
     axes = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    if axes:
+        check_local_loss_convention("sync_gradients", axes)
 
     def sync(leaf: Any) -> Any:
         boxed = is_sharded(leaf)
