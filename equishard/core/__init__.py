@@ -1,4 +1,14 @@
-"""Pure functions on local blocks, valid inside `shard_map`: collectives, collective matmuls, MoE routing, pipeline schedules and the HLO collective reader."""
+"""Pure functions on local blocks, valid inside `shard_map`: collectives, collective matmuls, attention kernels, MoE routing, pipeline schedules and the HLO collective reader."""
+
+from ._attention import (
+    BLOCKWISE_THRESHOLD as BLOCKWISE_THRESHOLD,
+    DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE,
+    attention as attention,
+    blockwise_attention as blockwise_attention,
+    cudnn_supported as cudnn_supported,
+    dense_attention as dense_attention,
+    merge_attention as merge_attention,
+)
 
 from ._hlo import (
     COLLECTIVE_KINDS as COLLECTIVE_KINDS,
