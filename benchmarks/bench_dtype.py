@@ -35,7 +35,8 @@ def main() -> None:
     import optax
 
     from equishard.models import GPT, GPTConfig, cast_floating, count_parameters
-    from equishard.train import Layout, init_train_state, make_train_step
+    from equishard.sharding import Layout
+    from equishard.train import init_train_state, make_train_step
 
     layout = Layout(args.layout or f"dp={jax.device_count()}")
     mesh = layout.mesh()

@@ -263,7 +263,7 @@ def bench_layout(spec: str, moe: bool, options: dict[str, Any], repeats: int) ->
     import numpy as np
     from equishard.report import gpt_minimum, report
     from equishard.sharding import param_table
-    from equishard.train import Layout
+    from equishard.sharding import Layout
 
     config = _config(moe)
     layout = Layout(spec, **options)
@@ -318,12 +318,15 @@ def bench_layout(spec: str, moe: bool, options: dict[str, Any], repeats: int) ->
 def bench_depth() -> dict[str, Any]:
     """Trace + compile time of equishard's step at 4, 16 and 48 layers (best of three)."""
     from equishard.report import abstract_train_step
-    from equishard.train import Layout
+    from equishard.sharding import Layout
 
     best: dict[int, dict[str, float]] = {}
     for _ in range(3):
         for depth in DEPTHS:
-            step = abstract_train_step(_config(False, depth), Layout(DEPTH_LAYOUT), batch_size=BATCH, seq_len=SEQ)
+            step = abstract_train_step(
+                _config(False, depth), Layout(DEPTH_LAYOUT), batch_size=BATCH, seq_len=SEQ,
+                optimizer=_optimizer(), clip_norm=CLIP,
+            )
             _, compile_s = timed(lambda: step.lowered.compile())
             total = step.lower_seconds + compile_s
             if depth not in best or total < best[depth]["total_s"]:
@@ -345,7 +348,8 @@ def bench_single_device(repeats: int) -> dict[str, Any]:
     import optax
     from equishard.models import GPT
     from equishard.models._gpt import to_single_device
-    from equishard.train import Layout, init_train_state, make_train_step
+    from equishard.sharding import Layout
+    from equishard.train import init_train_state, make_train_step
 
     config = _config(False)
     device = jax.devices()[0]

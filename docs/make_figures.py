@@ -14,7 +14,7 @@ simulated CPU devices and plotted with matplotlib.
 - `pipeline_schedule.png`: GPipe and circular schedules as timelines
   (`equishard.core.pipeline_schedule`).
 - `loss_curves.png`: the main job (`equishard train`, default options) and the first
-  steps of the same model under several layouts (`equishard.train.run`).
+  steps of the same model under several layouts (`equishard train`'s job).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def pipeline_figure() -> None:
 
 
 def _train(workdir: pathlib.Path, name: str, **options) -> list[dict]:
-    from equishard.train import TrainConfig, run
+    from equishard._app import TrainConfig, run
 
     run_dir = workdir / name
     config = TrainConfig(run_dir=str(run_dir), progress=False, plot=False, sample_bytes=0, **options)

@@ -15,6 +15,8 @@ from ._errors import (
     SpecError as SpecError,
 )
 from .sharding import (
+    Layout as Layout,
+    Parallelism as Parallelism,
     Sharded as Sharded,
     add_leading_axis as add_leading_axis,
     apply_rules as apply_rules,

@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace) -> int:
         initialize()
     else:
         _use_cpu_devices(args.devices)
-    from .train._run import TrainConfig, run
+    from ._app import TrainConfig, run
 
     fields = {f for f in TrainConfig.__dataclass_fields__}
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -86,7 +86,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _add_train(sub: Any) -> None:
     from .models import PRESETS
-    from .train._run import TrainConfig
+    from ._app import TrainConfig
 
     d = TrainConfig()
     p = sub.add_parser(

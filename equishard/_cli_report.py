@@ -40,7 +40,7 @@ def parse_bytes(text: str) -> int:
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from .train._layout import Layout
+    from .sharding import Layout
 
     return Layout(
         args.layout,
@@ -68,15 +68,18 @@ def _cpu_devices(n: int) -> list:
 
 
 def _compile_report(args: argparse.Namespace, num_devices: int) -> tuple[Any, dict[str, float], Any]:
+    from ._app import TrainConfig, make_optimizer
     from .report import gpt_report, preset
 
     config = preset(args.model)  # an unknown preset fails before JAX starts
     layout = _layout(args)
     layout.axes(num_devices)  # a malformed layout too
     devices = _cpu_devices(num_devices)
+    train = TrainConfig()  # the optimizer `equishard train` uses, with its defaults
     report, facts = gpt_report(
-        config, layout, batch_size=args.batch_size, seq_len=args.seq_len, devices=devices,
-        name=args.model,
+        config, layout, batch_size=args.batch_size, seq_len=args.seq_len,
+        optimizer=make_optimizer(train), clip_norm=train.clip_norm, devices=devices,
+        name=args.model, optimizer_name="AdamW",
     )  # fmt: skip
     return report, facts, layout
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 
 from equishard._cli import main
-from equishard.train import Checkpointer, TrainConfig
+from equishard._app import Run, TrainConfig
 from equishard.models._gpt import canonical_path
-from equishard.train._run import Run
+from equishard.train import Checkpointer
 
 STEPS = 24
 ARGS = [
@@ -153,3 +154,70 @@ def test_the_trained_model_leaves_as_a_plain_equinox_file(uninterrupted):
     ids = jax.numpy.arange(32, dtype=jax.numpy.int32)[None]
     logits = model(ids)  # one device, global view, no mesh
     assert logits.shape == (1, 32, 256) and bool(np.isfinite(np.asarray(logits)).all())
+
+
+# ------------------------------------------------- the library without the application
+
+HIDE_EXTRAS = """
+import importlib.abc, sys
+HIDDEN = ("orbax", "tqdm", "matplotlib")  # the `train` extra
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def test_report_inspect_and_plan_need_no_training_extras():
+    # As after `pip install equishard` with no extras: orbax, tqdm and matplotlib absent.
+    script = HIDE_EXTRAS + (
+        "import equishard, equishard.report, equishard.train\n"
+        "try:\n"
+        "    equishard.train.Checkpointer\n"
+        "except ImportError as err:\n"
+        "    print('checkpoint:', err)\n"
+        "from equishard._cli import main\n"
+        "rc = main(['plan', '--model', 'tiny', '--layout', 'fsdp=4,tp=2', '--devices', '8',\n"
+        "           '--seq-len', '32'])\n"
+        "print('rc', rc, sorted(m for m in sys.modules if m.split('.')[0] in HIDDEN))\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checkpoint: equishard.train.Checkpointer needs orbax-checkpoint" in out.stdout
+    assert re.search(r"peak per device .*: fits", out.stdout), out.stdout[-2000:]
+    assert out.stdout.rstrip().endswith("rc 0 []")
+
+
+def test_importing_the_library_loads_no_application_dependency():
+    script = (
+        "import sys, equishard, equishard.train, equishard.report\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tqdm', 'matplotlib', 'orbax') or m.startswith('equishard._app')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "name, home",
+    [("TrainConfig", "equishard._app"), ("run", "equishard._app"), ("get_batch", "equishard._app"),
+     ("Layout", "equishard.sharding"), ("AXES", "equishard.sharding")],
+)  # fmt: skip
+def test_moved_names_still_import_with_a_deprecation_warning(name, home):
+    import importlib
+
+    import equishard.train
+
+    with pytest.warns(DeprecationWarning, match=f"equishard.train.{name} is deprecated"):
+        value = getattr(equishard.train, name)
+    assert value is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        equishard.train.process_slice

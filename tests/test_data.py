@@ -9,17 +9,16 @@ import numpy as np
 import pytest
 
 import equishard as es
-from equishard.train import (
+from equishard._app import (
     ByteCorpus,
     get_batch,
     load_stdlib_corpus,
-    process_slice,
     split_batch,
     stdlib_corpus,
     stdlib_files,
     unigram_entropy,
 )
-from equishard.train import _data as data
+from equishard._app import _data as data
 
 
 def test_selection_is_the_documented_one():
@@ -62,7 +61,7 @@ def test_corpus_is_the_concatenation_and_sizes_are_sane():
 
 def test_corpus_does_not_depend_on_the_working_directory(tmp_path):
     code = (
-        "import hashlib; from equishard.train import stdlib_corpus, stdlib_files;"
+        "import hashlib; from equishard._app import stdlib_corpus, stdlib_files;"
         "print(len(stdlib_files()), hashlib.sha256(stdlib_corpus()).hexdigest())"
     )
     out = subprocess.run(
@@ -176,22 +175,15 @@ def test_offsets_follow_the_documented_formula():
     assert counts.min() > 850 and counts.max() < 1150  # roughly uniform
 
 
-def test_process_slices_reassemble_the_global_batch():
+def test_row_ranges_reassemble_the_global_batch():
+    # What a process reads across processes (`global_array_from_rows`): rows
+    # [start, stop) of the batch at `position` are the batch at `position + start`.
     split = load_stdlib_corpus()
     full = get_batch(split.train, 80, 16, 32, seed=5)
     for count in (1, 2, 4, 8):
-        parts = [process_slice(full, i, count) for i in range(count)]
+        per = 16 // count
+        parts = [get_batch(split.train, 80 + i * per, per, 32, seed=5) for i in range(count)]
         np.testing.assert_array_equal(np.concatenate(parts), full)
-        local = [
-            get_batch(split.train, 80, 16, 32, seed=5, process_index=i, process_count=count)
-            for i in range(count)
-        ]
-        for p, q in zip(parts, local):
-            np.testing.assert_array_equal(p, q)
-    with pytest.raises(es.EquishardError, match="not divisible"):
-        process_slice(full, 0, 3)
-    with pytest.raises(es.EquishardError, match="process_index"):
-        process_slice(full, 4, 4)
 
 
 def test_bad_batch_arguments():

@@ -35,8 +35,8 @@ from equishard.distributed import (
     process_rows,
 )
 from equishard.models._gpt import canonical_path
-from equishard.train import Checkpointer, TrainConfig, get_batch, load_stdlib_corpus
-from equishard.train._run import Run
+from equishard._app import Run, TrainConfig, get_batch, load_stdlib_corpus
+from equishard.train import Checkpointer
 
 STEPS = 10
 LAYOUT = "dp=2,fsdp=2,tp=2"
@@ -258,8 +258,7 @@ import numpy as np, jax
 from equishard import distributed
 distributed.initialize()
 from jax.experimental import multihost_utils
-from equishard.train import TrainConfig, get_batch, load_stdlib_corpus
-from equishard.train._run import Run
+from equishard._app import Run, TrainConfig, get_batch, load_stdlib_corpus
 
 run = Run(TrainConfig(layout="dp=2,fsdp=2,tp=2", model="tiny", batch_size=8, seq_len=32))
 i = jax.process_index()

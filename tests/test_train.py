@@ -12,13 +12,9 @@ import pytest
 
 import equishard as es
 from equishard.models import GPT, GPTConfig, cast_floating
-from equishard.train import (
-    Layout,
-    get_batch,
-    init_train_state,
-    load_stdlib_corpus,
-    make_train_step,
-)
+from equishard._app import get_batch, load_stdlib_corpus
+from equishard.sharding import Layout
+from equishard.train import init_train_state, make_train_step
 
 
 from equishard.core import collective_bytes, read_collectives

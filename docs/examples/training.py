@@ -17,15 +17,14 @@ import equinox as eqx
 import optax
 
 import equishard as es
+from equishard import Layout
+from equishard._app import get_batch, load_stdlib_corpus  # the `equishard train` demo's corpus
 from equishard.models import GPT, PRESETS, count_parameters
 from equishard.train import (
     Checkpointer,
-    Layout,
     export_model,
-    get_batch,
     import_model,
     init_train_state,
-    load_stdlib_corpus,
     make_train_step,
 )
 # --8<-- [end:setup]

@@ -4,7 +4,7 @@ from ._gpt import (
     GPT as GPT,
     GPTConfig as GPTConfig,
     PRESETS as PRESETS,
-    Parallelism as Parallelism,
     cast_floating as cast_floating,
     count_parameters as count_parameters,
 )
+from ..sharding import Parallelism as Parallelism  # its home is `equishard.sharding`

@@ -36,7 +36,7 @@ from ..nn import (
 )
 from ..nn._linear import gather_tokens
 from ..nn._transformer import _vary_like
-from ..sharding import add_leading_axis, drop_leading_axis, restrict_specs
+from ..sharding import Parallelism, add_leading_axis, drop_leading_axis, restrict_specs
 from ..sharding import unbox as es_unbox
 
 TP = "tp"
@@ -83,41 +83,6 @@ PRESETS: dict[str, GPTConfig] = {
     "base": GPTConfig(d_model=384, n_heads=6, n_layers=8, d_ff=1024),
 }
 """Size presets of the reference GPT (`equishard train --model NAME`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Parallelism:
-    """Which mesh axes a model uses, and how: decided by the layout, not the model.
-
-    **Fields:**
-
-    - `axes`: every axis of the mesh, in order; `sizes`: their sizes.
-    - `data_axes`: the axes the batch is split over (data, FSDP and expert axes).
-    - `tensor`: the tensor-parallel axis, or `None`.
-    - `fsdp`: the axis parameters are fully sharded over, or `None`.
-    - `expert`: the expert axis, or `None`.
-    - `pipeline`: the stage axis, or `None`; with `num_stages`, `num_microbatches`,
-      `pipeline_repeats` (1: GPipe, more: circular).
-    - `sequence_parallel`: split activations over the sequence on the tensor axis.
-    - `fsdp_min_weight_size`: smaller arrays stay replicated under FSDP.
-    """
-
-    axes: tuple[str, ...] = ()
-    sizes: tuple[int, ...] = ()
-    data_axes: tuple[str, ...] = ()
-    tensor: str | None = None
-    fsdp: str | None = None
-    expert: str | None = None
-    pipeline: str | None = None
-    num_stages: int = 1
-    num_microbatches: int = 1
-    pipeline_repeats: int = 1
-    sequence_parallel: bool = False
-    fsdp_min_weight_size: int = 2**10
-
-    def size(self, axis: str | None) -> int:
-        """The size of `axis` (1 if absent)."""
-        return dict(zip(self.axes, self.sizes)).get(axis, 1) if axis else 1
 
 
 class MoEAuxSum(eqx.Module):
@@ -272,7 +237,7 @@ class GPT(eqx.Module):
 
     - `config`: a `GPTConfig` (see `PRESETS`).
     - `parallelism`: how the model uses the mesh (a `Parallelism`, normally from
-      `equishard.train.Layout`); the default is one device.
+      `equishard.Layout`); the default is one device.
     - `key`: a PRNG key. The global parameters depend on it alone, not on the layout.
     """
 

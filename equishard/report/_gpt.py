@@ -1,8 +1,8 @@
 """The reference GPT's real train step, compiled from shapes alone, and its report.
 
 `abstract_train_step` builds what `equishard train` runs — the reference GPT under a
-layout, AdamW with the main job's schedule, global-norm clipping, `make_train_step` —
-for a mesh of any size, with the parameters and optimizer state only as
+layout, the optimizer it is given, global-norm clipping, `make_train_step` — for a mesh
+of any size, with the parameters and optimizer state only as
 `jax.ShapeDtypeStruct`s carrying their shardings, and lowers it. Nothing is allocated or
 run, so a 2048-device mesh of a 70B-parameter model compiles on a laptop's simulated
 CPU devices. `gpt_report` compiles it and reads the report; `PLAN_PRESETS` are the
@@ -24,10 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import LayerConfigError, MeshError
 from ..models import GPT, PRESETS, GPTConfig
-from ..sharding import param_table, specs_of
+from ..sharding import Layout, param_table, specs_of
 from ..sharding._specs import is_array_like, is_spec
-from ..train._layout import Layout
-from ..train._step import TrainState, init_train_state, make_train_step
+from ..train import TrainState, init_train_state, make_train_step
 from ._minimum import gpt_minimum, state_bytes
 from ._report import StepReport, report
 
@@ -133,14 +132,6 @@ def _abstract(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(on_subtree, specs, tree, is_leaf=lambda s: s is None or is_spec(s))
 
 
-def _optimizer() -> tuple[optax.GradientTransformation, float]:
-    """The main job's AdamW (warmup + cosine) and clipping norm, with its defaults."""
-    from ..train._run import TrainConfig, make_optimizer
-
-    config = TrainConfig()
-    return make_optimizer(config), config.clip_norm
-
-
 @dataclasses.dataclass(frozen=True)
 class AbstractStep:
     """A lowered GPT train step and what it was built from (see `abstract_train_step`).
@@ -171,6 +162,8 @@ def abstract_train_step(
     *,
     batch_size: int,
     seq_len: int,
+    optimizer: optax.GradientTransformation,
+    clip_norm: float | None = None,
     devices: list | None = None,
 ) -> AbstractStep:
     """Lower the real GPT train step for `layout` without creating any array.
@@ -180,6 +173,10 @@ def abstract_train_step(
     - `config`: the model's `GPTConfig`.
     - `layout`: the `Layout`; its size must equal the number of `devices`.
     - `batch_size`, `seq_len`: the global batch in sequences, and their length.
+    - `optimizer`: the optax optimizer (its state's shapes and specs, and its update,
+      are part of the step).
+    - `clip_norm`: the global-norm clipping threshold of `make_train_step` (`None`:
+      no clipping).
     - `devices`: the devices of the mesh (default: all of JAX's devices).
 
     **Returns:**
@@ -195,7 +192,6 @@ def abstract_train_step(
     start = time.perf_counter()
     mesh = layout.mesh(devices)
     par = layout.parallelism(len(devices))
-    optimizer, clip_norm = _optimizer()
     state = eqx.filter_eval_shape(
         lambda: init_train_state(
             lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh
@@ -230,8 +226,11 @@ def gpt_report(
     *,
     batch_size: int,
     seq_len: int,
+    optimizer: optax.GradientTransformation,
+    clip_norm: float | None = None,
     devices: list | None = None,
     name: str | None = None,
+    optimizer_name: str | None = None,
 ) -> tuple[StepReport, dict[str, float]]:
     """Compile the reference GPT's train step for `layout` and report on it.
 
@@ -240,8 +239,11 @@ def gpt_report(
     - `config`: the model's `GPTConfig`.
     - `layout`: the `Layout`.
     - `batch_size`, `seq_len`: the global batch in sequences, and their length.
+    - `optimizer`, `clip_norm`: the optimizer and clipping norm of the step (see
+      `abstract_train_step`).
     - `devices`: the devices of the mesh (default: all of JAX's devices).
-    - `name`: the model's name for the description line.
+    - `name`, `optimizer_name`: the model's and the optimizer's names for the
+      description line.
 
     **Returns:**
 
@@ -250,7 +252,10 @@ def gpt_report(
     `state_bytes` (parameters and optimizer state per device by their specs: the
     analytical figure to set beside the compiler's argument bytes) and `parameters`.
     """
-    step = abstract_train_step(config, layout, batch_size=batch_size, seq_len=seq_len, devices=devices)
+    step = abstract_train_step(
+        config, layout, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
+        clip_norm=clip_norm, devices=devices,
+    )  # fmt: skip
     start = time.perf_counter()
     compiled = step.lowered.compile()
     compile_seconds = time.perf_counter() - start
@@ -265,8 +270,8 @@ def gpt_report(
         f"{config.n_layers} layers, {config.n_heads} heads, d_ff {config.d_ff}, vocabulary "
         f"{config.vocab_size}); layout {layout.spec} on {step.mesh.devices.size} "
         f"{step.mesh.devices.flat[0].platform.upper()} devices; batch {batch_size} x "
-        f"{seq_len} tokens; float32; AdamW"
-    )
+        f"{seq_len} tokens; float32"
+    ) + (f"; {optimizer_name}" if optimizer_name else "")
     r = report(compiled, mesh=step.mesh, params=rows, minimum=minimum, description=description)
     facts = {
         "lower_seconds": step.lower_seconds,

@@ -85,9 +85,8 @@ from ..core import expert_capacity
 from ..sharding._table import human_bytes
 from ..models import GPT, GPTConfig
 from ..models._gpt import canonical_path
-from ..sharding import ParamRow
+from ..sharding import Layout, ParamRow
 from ..sharding._specs import leaves_with_specs, spec_axes
-from ..train._layout import Layout
 
 __all__ = [
     "Minimum",

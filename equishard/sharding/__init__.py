@@ -17,6 +17,7 @@ from ._fsdp import (
     shard_params as shard_params,
 )
 from ._init import check_threefry_partitionable as check_threefry_partitionable, sharded_init as sharded_init
+from ._layout import AXES as AXES, Layout as Layout, Parallelism as Parallelism
 from ._mesh import make_mesh as make_mesh, parse_layout as parse_layout
 from ._place import gather as gather, shard as shard
 from ._rules import apply_rules as apply_rules, spec_for_path as spec_for_path

@@ -16,13 +16,48 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._errors import MeshError
-from ..models import Parallelism
-from ..sharding import make_mesh, parse_layout
+from ._mesh import make_mesh, parse_layout
 
 AXES = ("dp", "fsdp", "tp", "ep", "pp")
 """The axis names a layout may use: data, fully-sharded data, tensor, expert, pipeline."""
 
 DATA_AXES = ("dp", "fsdp", "ep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """Which mesh axes a model uses, and how: decided by the layout, not the model.
+
+    **Fields:**
+
+    - `axes`: every axis of the mesh, in order; `sizes`: their sizes.
+    - `data_axes`: the axes the batch is split over (data, FSDP and expert axes).
+    - `tensor`: the tensor-parallel axis, or `None`.
+    - `fsdp`: the axis parameters are fully sharded over, or `None`.
+    - `expert`: the expert axis, or `None`.
+    - `pipeline`: the stage axis, or `None`; with `num_stages`, `num_microbatches`,
+      `pipeline_repeats` (1: GPipe, more: circular).
+    - `sequence_parallel`: split activations over the sequence on the tensor axis.
+    - `fsdp_min_weight_size`: smaller arrays stay replicated under FSDP.
+    """
+
+    axes: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
+    data_axes: tuple[str, ...] = ()
+    tensor: str | None = None
+    fsdp: str | None = None
+    expert: str | None = None
+    pipeline: str | None = None
+    num_stages: int = 1
+    num_microbatches: int = 1
+    pipeline_repeats: int = 1
+    sequence_parallel: bool = False
+    fsdp_min_weight_size: int = 2**10
+
+    def size(self, axis: str | None) -> int:
+        """The size of `axis` (1 if absent)."""
+        return dict(zip(self.axes, self.sizes)).get(axis, 1) if axis else 1
+
 
 
 @dataclasses.dataclass(frozen=True)

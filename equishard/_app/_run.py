@@ -16,7 +16,7 @@ import pathlib
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -26,16 +26,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import CheckpointError, LayerConfigError
-from ..models import GPT, PRESETS, cast_floating, count_parameters
 from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
+from ..models import GPT, PRESETS, cast_floating, count_parameters
 from ..models._gpt import canonical_path, to_single_device
-from ..sharding import filter_shard_map, format_param_table, gather
-from ._checkpoint import Checkpointer
-from ._export import export_model
+from ..sharding import Layout, filter_shard_map, format_param_table, gather
+from ..train import TrainState, export_model, init_train_state, make_train_step
 from ._data import ByteCorpus, get_batch, load_stdlib_corpus
-from ._layout import Layout
-from ._step import TrainState, init_train_state, make_train_step
+
+if TYPE_CHECKING:
+    from ..train import Checkpointer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -275,6 +275,8 @@ def run(
     `EquishardError` subclasses for bad options, layouts, models and checkpoints,
     before anything is compiled or written over.
     """
+    from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
+
     start = time.perf_counter()
     if not is_coordinator():  # one process prints: the others compute the same values
         print_fn = _silent

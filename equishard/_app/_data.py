@@ -225,21 +225,6 @@ def sample_offsets(
     return (bits % np.uint64(num_offsets)).astype(np.int64)
 
 
-def _rows(batch_size: int, process_index: int, process_count: int) -> range:
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise EquishardError(
-            f"process_index {process_index} is not in range(process_count) with "
-            f"process_count {process_count}."
-        )
-    if batch_size % process_count:
-        raise EquishardError(
-            f"the global batch size {batch_size} is not divisible by the "
-            f"{process_count} processes; each process reads an equal share of the rows."
-        )
-    per = batch_size // process_count
-    return range(process_index * per, (process_index + 1) * per)
-
-
 def get_batch(
     data: UInt8[np.ndarray, " n"],
     position: int,
@@ -247,10 +232,8 @@ def get_batch(
     seq_len: int,
     *,
     seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> Int32[np.ndarray, "rows seq_len_plus_1"]:
-    """The global batch at a data position (or one process's rows of it).
+) -> Int32[np.ndarray, "batch_size seq_len_plus_1"]:
+    """The global batch at a data position.
 
     Row `j` is sample `g = position + j` of the run: the `seq_len + 1` bytes of `data`
     starting at `sample_offsets([g], len(data) - seq_len, seed=seed)`. Inputs are
@@ -264,14 +247,14 @@ def get_batch(
     - `batch_size`: the global number of rows.
     - `seq_len`: tokens per input sequence; each row holds `seq_len + 1` bytes.
     - `seed`: the data seed.
-    - `process_index`, `process_count`: return only rows
-      `[process_index * batch_size // process_count, ...)`, this process's share of the
-      global batch (for `jax.make_array_from_process_local_data`); equal to
-      `process_slice(get_batch(...), process_index, process_count)`.
+
+    Across processes, each process reads only the rows its devices hold by calling this
+    with `position + start` and `stop - start` rows (see
+    `equishard.distributed.global_array_from_rows`).
 
     **Returns:**
 
-    `int32[batch_size // process_count, seq_len + 1]`.
+    `int32[batch_size, seq_len + 1]`.
     """
     if position < 0 or batch_size < 1 or seq_len < 1:
         raise EquishardError(
@@ -284,31 +267,10 @@ def get_batch(
             f"the data holds {len(data)} bytes, too few for one window of seq_len + 1 = "
             f"{seq_len + 1} bytes."
         )
-    rows = _rows(batch_size, process_index, process_count)
-    indices = np.arange(position + rows.start, position + rows.stop, dtype=np.int64)
+    indices = np.arange(position, position + batch_size, dtype=np.int64)
     starts = sample_offsets(indices, num_offsets, seed=seed)
     windows = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
     return np.asarray(data)[windows].astype(np.int32)
-
-
-def process_slice(
-    batch: np.ndarray, process_index: int, process_count: int
-) -> np.ndarray:
-    """This process's rows of a global batch: an equal, contiguous share.
-
-    **Arguments:**
-
-    - `batch`: the global batch, rows first.
-    - `process_index`: this process (`jax.process_index()`).
-    - `process_count`: the number of processes (`jax.process_count()`); must divide
-      the number of rows.
-
-    **Returns:**
-
-    `batch[process_index * b : (process_index + 1) * b]` with `b = len(batch) // process_count`.
-    """
-    rows = _rows(len(batch), process_index, process_count)
-    return batch[rows.start : rows.stop]
 
 
 def split_batch(
