@@ -25,13 +25,17 @@ import atexit
 import json
 import os
 import pathlib
+import shutil
+import signal
 import sys
+import tempfile
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
@@ -42,6 +46,7 @@ from ._format import (
     FORMAT_VERSION,
     array_record,
     check_fits,
+    checksums,
     first_line,
     flatten,
     rebuild,
@@ -52,6 +57,117 @@ from ._format import (
 _ARRAYS = "arrays"
 _META = "meta"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+_DELETED = "-deleted"
+
+
+# ---------------------------------------------------------------------------------------
+# Directories, faults and the background writer
+# ---------------------------------------------------------------------------------------
+
+FAULT_ENV = "EQUISHARD_CHECKPOINT_FAULT"
+"""Environment variable naming a point of a save at which the process kills itself.
+
+Its value is `<point>` or `<point>:<step>`, the point one of `FAULT_POINTS`. Fault tests
+set it in a child process to interrupt a save at a deterministic moment."""
+
+FAULT_POINTS = ("before-write", "arrays-written", "committed", "pruning")
+
+
+def _fault_point(point: str, step: int) -> None:
+    """SIGKILL this process here if `EQUISHARD_CHECKPOINT_FAULT` names this point (and step)."""
+    wanted = os.environ.get(FAULT_ENV)
+    if wanted and wanted in (point, f"{point}:{step}"):
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def probe_writable(directory: str | os.PathLike[str], what: str) -> pathlib.Path:
+    """Create `directory` if needed and check that files can be created and removed in it.
+
+    **Arguments:**
+
+    - `directory`: the directory.
+    - `what`: how errors name it ("checkpoint directory", "run directory").
+
+    **Returns:**
+
+    The directory, absolute.
+
+    **Raises:**
+
+    `CheckpointError` naming the directory if it is a file, cannot be created, or is
+    not writable (a file is created in it and removed).
+    """
+    path = pathlib.Path(directory).absolute()
+    _refuse_file(path, what)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".equishard-probe-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise _unusable(path, what, err) from None
+    return path
+
+
+def _unusable(path: pathlib.Path, what: str, err: OSError) -> CheckpointError:
+    reason = err.strerror or type(err).__name__
+    return CheckpointError(
+        f"the {what} {path} is not usable: {reason} ({err.filename or path}); choose a "
+        f"directory this process can create and write to."
+    )
+
+
+def _refuse_file(path: pathlib.Path, what: str) -> None:
+    """Raise if `path` is a file, or cannot even be looked at."""
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as err:
+        raise _unusable(path, what, err) from None
+    if is_file:
+        raise CheckpointError(f"the {what} {path} is a file, not a directory; choose another path.")
+
+
+class _Recorded:
+    """A commit future whose failure is kept for the checkpointer to report."""
+
+    def __init__(self, inner: Any, errors: list[BaseException]):
+        self._inner = inner
+        self._errors = errors
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return self._inner.result(timeout=timeout)
+        except BaseException as err:
+            self._errors.append(err)
+            raise
+
+
+class _ArraysHandler(ocp.StandardCheckpointHandler):
+    """orbax's array handler, keeping background write errors and marking a fault point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[BaseException] = []
+        self.step = -1
+
+    async def async_save(self, directory: Any, *args: Any, **kwargs: Any) -> Any:
+        futures = await super().async_save(directory, *args, **kwargs)
+        return [_Recorded(f, self.errors) for f in futures or []]
+
+    def finalize(self, directory: Any) -> None:
+        _fault_point("arrays-written", self.step)
+        super().finalize(directory)
+
+
+@ocp.args.register_with_handler(_ArraysHandler, for_save=True)
+class _ArraysSave(ocp.args.StandardSave):
+    """`StandardSave` for `_ArraysHandler`."""
+
+
+@ocp.args.register_with_handler(_ArraysHandler, for_restore=True)
+class _ArraysRestore(ocp.args.StandardRestore):
+    """`StandardRestore` for `_ArraysHandler`."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -77,7 +193,7 @@ def _warn_unfinished() -> None:
     temporary directory, which is ignored. `Checkpointer.close()` prevents this.
     """
     for checkpointer in list(_OPEN):
-        step = checkpointer._last_saved
+        step = checkpointer._pending
         if step is not None and not (checkpointer.directory / str(step)).is_dir():
             print(
                 f"equishard: the checkpoint of step {step} in {checkpointer.directory} was "
@@ -92,26 +208,38 @@ class Checkpointer:
 
     ```python
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=3, metadata=config)
+    ckpt.check_writable()                      # before compiling: fail fast
     ckpt.save(int(state.step), state)          # returns once arrays are on the host
+    ckpt.poll()                                # each step: a failed background write raises
     ...
     like = eqx.filter_eval_shape(make_state)   # or a real state
-    state = ckpt.restore(like, mesh=mesh)       # the latest step, on this mesh
+    state = ckpt.restore(like, mesh=mesh)       # the latest step, on this mesh, verified
     ckpt.close()
     ```
 
     Saves are asynchronous: `save` returns once the arrays are copied off the devices
     (so the state may then be donated to the next step) and the files are written in
-    the background. `wait()` blocks until they are; `close()` (or leaving a `with`
+    the background. `poll()` raises if that write failed (a full disk) and returns at
+    once otherwise; `wait()` blocks until it is done; `close()` (or leaving a `with`
     block) waits and releases the manager. **Close it before the program ends**: a
     write still running at exit cannot be finished (orbax's threads are stopped) and
     the step is discarded, never half-written (equishard prints a warning).
+
+    **Integrity.** Each step records a 64-bit checksum of every global array, computed
+    on the devices that hold it (a sum that does not depend on how the array is split,
+    so it verifies under any layout and process count); `restore` recomputes it and
+    raises `CheckpointError` on a mismatch, naming the array and the newest earlier
+    step that is intact. Old steps are removed (`max_to_keep`) only once a newer step is
+    completely written, and by renaming them away first, so an interrupted removal
+    leaves no damaged step behind.
 
     In a multi-process run every process creates the `Checkpointer` on the same
     directory (a file system all of them see) and calls `save` and `restore` together.
 
     **Arguments:**
 
-    - `directory`: the checkpoint directory; created at the first save.
+    - `directory`: the checkpoint directory; created at the first save (or by
+      `check_writable`).
     - `max_to_keep`: keep only the newest this many steps (`None`: keep all).
     - `metadata`: a JSON-serialisable mapping stored with every step (e.g. the model
       configuration), returned by `read_metadata()["user"]` and quoted in errors.
@@ -121,6 +249,8 @@ class Checkpointer:
       it is stored and looked up under, on save and on restore. Give one when the same
       model has different pytree paths under different layouts (e.g. an `FSDP` wrapper
       adds `.module`): `lambda p: p.replace(".module.", ".")`. Shapes must still agree.
+    - `checksums`: record checksums at save and verify them at restore (default). It
+      costs one read of every array on its devices per save and per restore.
     """
 
     def __init__(
@@ -131,10 +261,12 @@ class Checkpointer:
         metadata: Mapping[str, Any] | None = None,
         async_save: bool = True,
         path_map: Callable[[str], str] | None = None,
+        checksums: bool = True,
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be at least 1 or None, got {max_to_keep}.")
         self._directory = pathlib.Path(directory).absolute()
+        _refuse_file(self._directory, "checkpoint directory")
         self._user_metadata = dict(metadata or {})
         try:
             json.dumps(self._user_metadata)
@@ -144,22 +276,22 @@ class Checkpointer:
                 f"({err})."
             ) from None
         self._path_map = path_map
+        self._max_to_keep = max_to_keep
+        self._checksums = checksums
         self._interrupted = self._interrupted_writes()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None,  # removed here, once a newer step is known to be complete
             create=False,
             cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
         )
+        self._arrays_handler = _ArraysHandler()
         self._manager = ocp.CheckpointManager(
             self._directory,
             options=options,
-            item_handlers={
-                _ARRAYS: ocp.StandardCheckpointHandler(),
-                _META: ocp.JsonCheckpointHandler(),
-            },
+            item_handlers={_ARRAYS: self._arrays_handler, _META: ocp.JsonCheckpointHandler()},
         )
-        self._last_saved: int | None = None
+        self._pending: int | None = None
         # Closing on garbage collection; not at exit, where orbax can no longer write.
         self._finalizer = weakref.finalize(self, _close_manager, self._manager)
         self._finalizer.atexit = False
@@ -178,6 +310,18 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._directory)!r}, steps={self.all_steps()})"
+
+    def check_writable(self) -> None:
+        """Create the directory if needed and check that it is writable.
+
+        Call it before compiling a long run, so that a directory that is a file or
+        read-only is found before the first save rather than after it.
+
+        **Raises:**
+
+        `CheckpointError` naming the directory and the reason.
+        """
+        probe_writable(self._directory, "checkpoint directory")
 
     # -- listing -------------------------------------------------------------------------
 
@@ -205,7 +349,11 @@ class Checkpointer:
     def _interrupted_writes(self) -> list[str]:
         if not self._directory.is_dir():
             return []
-        return sorted(p.name for p in self._directory.iterdir() if _TMP_MARKER in p.name)
+        return sorted(
+            p.name
+            for p in self._directory.iterdir()
+            if _TMP_MARKER in p.name and not p.name.endswith(_DELETED)
+        )
 
     def _where(self, step: int) -> str:
         return f"the checkpoint at step {step} in {self._directory}"
@@ -231,12 +379,14 @@ class Checkpointer:
 
         **Raises:**
 
-        `CheckpointError` if the step exists (and not `exist_ok`), or an array cannot be
-        saved (a tracer, or an array already donated).
+        `CheckpointError` if the step exists (and not `exist_ok`), an array cannot be
+        saved (a tracer, or an array already donated), or the previous save failed in
+        the background.
         """
         step = int(step)
         if step < 0:
             raise CheckpointError(f"checkpoint steps are non-negative, got {step}.")
+        self._settle(block=True)
         if step in self.all_steps():
             if exist_ok:
                 return False
@@ -250,18 +400,26 @@ class Checkpointer:
                 f"nothing to save at step {step} in {self._directory}: the state holds no arrays."
             )
         arrays = {e.path: storable(e) for e in entries}
+        records = [array_record(e) for e in entries]
+        if self._checksums:
+            sums = checksums(arrays)
+            for record in records:
+                record["checksum"] = sums[record["path"]]
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": step,
             "versions": _versions(),
             "user": self._user_metadata,
-            "arrays": [array_record(e) for e in entries],
+            "arrays": records,
         }
         args = ocp.args.Composite(
-            **{_ARRAYS: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}
+            **{_ARRAYS: _ArraysSave(arrays), _META: ocp.args.JsonSave(meta)}
         )
         self._directory.mkdir(parents=True, exist_ok=True)
+        _fault_point("before-write", step)
+        self._arrays_handler.step = step
+        self._arrays_handler.errors.clear()
         try:
             self._manager.save(step, args=args, force=True)
         except StepAlreadyExistsError:
@@ -269,8 +427,73 @@ class Checkpointer:
                 f"{self._where(step)} already exists, and equishard never writes over a "
                 f"checkpoint; save under another step, or move that step away first."
             ) from None
-        self._last_saved = step
+        except Exception as err:  # noqa: BLE001 - the write failed before going to the background
+            self._manager.reload()
+            raise CheckpointError(
+                f"writing {self._where(step)} failed ({first_line(err)}); the step was not "
+                f"finalised and is ignored. The steps before it are untouched: "
+                f"{self.all_steps()}."
+            ) from None
+        self._pending = step
+        self._settle(block=False)
         return True
+
+    def _settle(self, *, block: bool) -> None:
+        """Account for the last save once it has finished: raise if it failed, else prune.
+
+        With `block=False` this returns at once while the write is still running.
+        """
+        step = self._pending
+        if step is None or (not block and self._manager.is_saving_in_progress()):
+            return
+        self._pending = None
+        error: BaseException | None = None
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as err:  # noqa: BLE001 - any failure of the background write
+            error = err
+        errors = self._arrays_handler.errors
+        error = errors[0] if errors else error
+        if error is not None or not (self._directory / str(step)).is_dir():
+            self._manager.reload()
+            cause = f" ({first_line(error)})" if error is not None else ""
+            raise CheckpointError(
+                f"writing {self._where(step)} failed in the background{cause}; the step was "
+                f"not finalised and is ignored. The steps before it are untouched: "
+                f"{self.all_steps()}."
+            )
+        _fault_point("committed", step)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Remove the oldest steps beyond `max_to_keep`: renamed away first, then deleted."""
+        if self._max_to_keep is None:
+            return
+        doomed = self.all_steps()[: -self._max_to_keep]
+        if not doomed:
+            return
+        if jax.process_index() == 0:
+            for step in doomed:
+                gone = self._directory / f"{step}{_TMP_MARKER}{_DELETED}"
+                os.replace(self._directory / str(step), gone)
+                _fault_point("pruning", step)
+                shutil.rmtree(gone, ignore_errors=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"equishard checkpoint prune {doomed[-1]}")
+        self._manager.reload()
+
+    def poll(self) -> None:
+        """Raise if the last background save failed; return at once while it runs.
+
+        Call it once per training step: a write that failed (a full disk) is then
+        reported at the next step, not two saves later.
+
+        **Raises:**
+
+        `CheckpointError` naming the step and the cause; the earlier steps are intact.
+        """
+        self._settle(block=False)
 
     def wait(self) -> None:
         """Block until every save started so far is completely written.
@@ -279,6 +502,7 @@ class Checkpointer:
 
         `CheckpointError` if a background write failed.
         """
+        self._settle(block=True)
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - any failure of the background write
@@ -288,7 +512,12 @@ class Checkpointer:
             ) from None
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager. Safe to call twice."""
+        """Wait for pending saves and release the manager. Safe to call twice.
+
+        **Raises:**
+
+        `CheckpointError` if the last save failed; the manager is released regardless.
+        """
         if self._finalizer.alive:
             try:
                 self.wait()
@@ -342,7 +571,8 @@ class Checkpointer:
 
         A dict with `format`, `format_version`, `step`, `versions` (equishard, jax,
         orbax), `user` (the `metadata` given to the `Checkpointer` that saved it) and
-        `arrays` (one `{path, shape, dtype, spec}` record per stored array).
+        `arrays` (one `{path, shape, dtype, spec, checksum}` record per stored array;
+        no `checksum` where it was saved with `checksums=False`).
 
         **Raises:**
 
@@ -366,8 +596,51 @@ class Checkpointer:
             )
         return meta
 
+    def _read(self, meta: Mapping[str, Any], like: PyTree, mesh: Mesh | None) -> tuple[Any, str | None]:
+        """Read and verify one step: the restored tree, or why it is damaged."""
+        step = int(meta["step"])
+        where = self._where(step)
+        leaves, treedef, entries = flatten(like, self._path_map)
+        saved = check_fits(meta, entries, where)
+        targets = {e.path: target(e, mesh, where) for e in entries}
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(**{_ARRAYS: _ArraysRestore(targets)})
+            )
+            arrays = out[_ARRAYS]
+        except Exception as err:  # noqa: BLE001
+            return None, f"its arrays could not be read ({first_line(err)})"
+        if self._checksums:
+            recorded = {p: r["checksum"] for p, r in saved.items() if "checksum" in r}
+            found = checksums({p: arrays[p] for p in recorded})
+            for e in entries:
+                if e.path in recorded and found[e.path] != recorded[e.path]:
+                    return None, (
+                        f"the array `{e.path}` reads back with checksum {found[e.path]}, "
+                        f"but {recorded[e.path]} was recorded when it was saved (its files "
+                        f"were changed or damaged on disk)"
+                    )
+        for e in entries:
+            leaves[e.index] = rebuild(leaves[e.index], e, arrays[e.path], saved[e.path])
+        return jax.tree_util.tree_unflatten(treedef, leaves), None
+
+    def _intact_before(self, step: int, like: PyTree, mesh: Mesh | None) -> int | None:
+        """The newest step before `step` that restores into `like` and verifies."""
+        for earlier in reversed([s for s in self.all_steps() if s < step]):
+            try:
+                restored, damage = self._read(self.read_metadata(earlier), like, mesh)
+            except CheckpointError:
+                continue
+            del restored
+            if damage is None:
+                return earlier
+        return None
+
     def restore(self, like: PyTree, step: int | None = None, *, mesh: Mesh | None = None) -> PyTree:
         """Restore a step into the structure of `like`, placed where `like` says.
+
+        Every array is checked against the checksum recorded when it was saved (unless
+        the `Checkpointer` was made with `checksums=False`, or the step predates them).
 
         **Arguments:**
 
@@ -392,29 +665,24 @@ class Checkpointer:
         **Raises:**
 
         `CheckpointError` (one paragraph naming the directory, step and offending path)
-        if the directory or step is missing, the checkpoint is corrupt, or it does not
-        fit `like`; `SpecError` if a spec does not fit `mesh`.
+        if the directory or step is missing, the checkpoint is corrupt (an array does
+        not match its checksum: the message names the newest earlier step that is
+        intact), or it does not fit `like`; `SpecError` if a spec does not fit `mesh`.
         """
         meta = self.read_metadata(step)
         step = int(meta["step"])
-        where = self._where(step)
-        leaves, treedef, entries = flatten(like, self._path_map)
-        saved = check_fits(meta, entries, where)
-        targets = {e.path: target(e, mesh, where) for e in entries}
-        try:
-            out = self._manager.restore(
-                step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(targets)})
+        restored, damage = self._read(meta, like, mesh)
+        if damage is None:
+            return restored
+        intact = self._intact_before(step, like, mesh)
+        if intact is None:
+            advice = f"No earlier step is intact (steps there: {self.all_steps()})."
+        else:
+            advice = (
+                f"Step {intact} is intact (every array verified): restore it with "
+                f"`step={intact}` (on the command line, `--resume-step {intact}`)."
             )
-            arrays = out[_ARRAYS]
-        except Exception as err:  # noqa: BLE001
-            others = [s for s in self.all_steps() if s != step]
-            raise CheckpointError(
-                f"{where} is corrupt or incomplete: its arrays could not be read "
-                f"({first_line(err)}). Other steps there: {others}."
-            ) from None
-        for e in entries:
-            leaves[e.index] = rebuild(leaves[e.index], e, arrays[e.path], saved[e.path])
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        raise CheckpointError(f"{self._where(step)} is corrupt or incomplete: {damage}. {advice}")
 
 
 def _versions() -> dict[str, str]:

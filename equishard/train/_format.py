@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -220,3 +221,92 @@ def check_fits(
             f"the checkpoint is of a different model.{hint}"
         )
     return saved
+
+
+# ---------------------------------------------------------------------------------------
+# Checksums of global arrays, independent of their layout
+# ---------------------------------------------------------------------------------------
+
+
+def _mix(h: Any) -> Any:
+    """A 32-bit integer finaliser (xor-shift-multiply): every input bit moves every output bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def _words(x: Any) -> Any:
+    """The array's bits as `uint32` words: one per element, two for 64-bit elements (last axis)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    width = x.dtype.itemsize
+    if width == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if width == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # u32[..., 2]
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[width]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _global_index(shape: tuple[int, ...]) -> Any:
+    """Each element's row-major index in the global array (modulo 2**32), as `uint32`."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    return index
+
+
+@jax.jit
+def _checksums(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Two 32-bit sums per array over its words mixed with their global positions: u32[2].
+
+    Word `w` at global index `i` contributes `h = mix(w ^ i·φ)` to one sum and
+    `h·(i·φ | 1)` to the other (φ the golden-ratio constant). Integer sums modulo 2**32
+    do not depend on the order of addition, so the result is the same whichever way
+    the array is split: XLA sums each device's block and all-reduces the partial sums,
+    never gathering the array.
+    """
+
+    def one(x: Any) -> Any:
+        words = _words(x)
+        weyl = _global_index(words.shape) * jnp.uint32(0x9E3779B9)
+        mixed = _mix(words ^ weyl)
+        lo = jnp.sum(mixed, dtype=jnp.uint32)
+        hi = jnp.sum(mixed * (weyl | jnp.uint32(1)), dtype=jnp.uint32)
+        return jnp.stack([lo, hi])
+
+    return {path: one(x) for path, x in arrays.items()}
+
+
+def checksums(arrays: Mapping[str, Any]) -> dict[str, str]:
+    """A 64-bit checksum of each global array, computed on the devices that hold it.
+
+    The checksum is a function of the global array's values and their positions only,
+    so a checkpoint saved under one layout (or process count) verifies under another.
+    Arrays on different sets of devices are summed by separate programs.
+
+    **Arguments:**
+
+    - `arrays`: `{path: array}` (JAX arrays, possibly sharded over processes, or NumPy).
+
+    **Returns:**
+
+    `{path: 16 hexadecimal digits}`.
+    """
+    groups: dict[Any, dict[str, Any]] = {}
+    for path, x in arrays.items():
+        sharding = getattr(x, "sharding", None)
+        devices = None if sharding is None else tuple(sorted(d.id for d in sharding.device_set))
+        groups.setdefault(devices, {})[path] = x
+    sums: dict[str, Any] = {}
+    for group in groups.values():
+        sums.update(_checksums(group))
+    host = jax.device_get(sums)
+    return {path: f"{int(v[1]):08x}{int(v[0]):08x}" for path, v in host.items()}
