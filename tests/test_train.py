@@ -192,3 +192,64 @@ def test_tied_head_and_remat_train_to_the_same_losses():
     _, dots = _train("dp=2,tp=4", dataclasses.replace(tied, remat="dots"), sequence_parallel=True, steps=5)
     for a, b, c in zip(remat, dots, reference):
         assert rel_err(a["loss"], c["loss"]) <= 1e-4 and rel_err(b["loss"], c["loss"]) <= 1e-4
+
+
+# ---------------------------------------------------------------------------
+# The update in the global view: every optax transform is its one-device self.
+
+SMALL = GPTConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64)
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(3e-3),
+    "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(3e-3)),
+    "lamb": lambda: optax.lamb(3e-3),
+    "adafactor": lambda: optax.adafactor(3e-3, min_dim_size_to_factor=32),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optax_transform_equals_one_device(name):
+    """Global-norm clipping, LAMB's per-array trust ratio and adafactor's factored
+    moments read whole arrays: computed on local blocks they drift or raise. The update
+    runs on the global arrays, so each equals its one-device run."""
+    reference, ref_history = _train("dp=1", SMALL, optimizer=OPTIMIZERS[name](), steps=10)
+    for spec in ("fsdp=8", "fsdp=4,tp=2"):
+        state, history = _train(spec, SMALL, optimizer=OPTIMIZERS[name](), steps=10)
+        for step, (a, b) in enumerate(zip(history, ref_history)):
+            assert rel_err(a["loss"], b["loss"]) <= 1e-6, (name, spec, step, a["loss"], b["loss"])
+        # The FSDP wrapper makes the trees differ in structure, not in their arrays.
+        ours, theirs = (jax.tree.leaves(es.unbox(es.gather(s.model))) for s in (state, reference))
+        assert max(rel_err(a, b) for a, b in zip(ours, theirs, strict=True)) <= 1e-6, (name, spec)
+
+
+def test_the_step_is_traced_once():
+    """The gradients' out_specs are the parameters' specs, known before tracing: the
+    loss function is traced once per compile (no extra trace to learn them)."""
+    layout = Layout("fsdp=4,tp=2")
+    mesh = layout.mesh()
+    optimizer = optax.adamw(1e-3)
+    state = init_train_state(lambda k: GPT(SMALL, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh)
+    traces = []
+
+    def loss_fn(model, batch, key):
+        traces.append(1)
+        return model.loss(batch, key)
+
+    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    step.lower(state, _batches()[0])
+    assert len(traces) == 1
+
+
+def test_a_non_finite_update_is_skipped():
+    """A finite loss and gradient whose update is not finite (a NaN learning rate) is
+    not applied: the guard reads the update too."""
+    layout = Layout("fsdp=4,tp=2")
+    mesh = layout.mesh()
+    optimizer = optax.adamw(float("nan"))
+    state = init_train_state(lambda k: GPT(SMALL, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    before = es.gather(state.model)
+    for i in range(2):
+        state, metrics = step(state, _batches()[i])
+        assert int(metrics["skipped"]) == 1 and bool(jnp.isfinite(metrics["grad_norm"]))
+    assert int(state.skipped) == 2 and int(state.step) == 2
+    assert_tree_allclose(es.gather(state.model), before)

@@ -559,6 +559,14 @@ def _scalar_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
                 value,
             )
         )
+    # The non-finite guard over the update: each device checks its blocks, one int32
+    # all-reduce over the whole mesh combines the verdicts.
+    every = tuple(a for a in s.sizes if s.sizes[a] > 1)
+    if every:
+        value = 2 * _ring(s.size(every)) * F32
+        terms.append(
+            Term("scalars: non-finite update check", "all-reduce", every, s.size(every), "2(n-1)/n · 4 B", value, value)
+        )
     return terms
 
 

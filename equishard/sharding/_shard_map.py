@@ -191,9 +191,12 @@ def filter_shard_map(
         )
         if needs_carried:
             # Trace once, abstractly, to learn the outputs' structure and carried specs.
+            # With out_specs P() the trace fails (a ValueError from shard_map's
+            # replication check) for outputs that vary; the body, traced first, has
+            # recorded what is needed by then. Any other error is the user's.
             try:
                 jax.eval_shape(lambda d: run(P()), dynamic)
-            except Exception:
+            except ValueError:
                 if "carried" not in record:
                     raise
             resolved = _fill_out_specs(out_specs, record["carried"], mesh)

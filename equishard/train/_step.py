@@ -1,13 +1,21 @@
 """The functional train step: `TrainState` and `make_train_step`.
 
-The whole step — forward, backward, gradient clipping, the optimizer update — runs
-inside one `filter_shard_map` (the local view). The loss function returns the *global*
-loss (DESIGN "Gradient convention"), so the gradients JAX's transposes produce are the
-single-device gradients, split like their parameters, with no synchronisation added.
+The step has two phases under one `jax.jit`:
+
+- **Gradients, in the local view.** Forward and backward run inside one
+  `filter_shard_map`; the loss function returns the *global* loss, so the gradients
+  JAX's transposes produce are the one-device gradients, split like their parameters,
+  with no synchronisation added. They leave `shard_map` carrying the parameters' specs.
+- **The update, in the global view.** Clipping, the optax update and the non-finite
+  guard run on the global arrays: every optax transform (global-norm clipping, LAMB,
+  adafactor, `masked`, `multi_transform`, schedules) computes what it computes on one
+  device, and XLA inserts the few scalar reductions a global quantity needs.
+  Elementwise transforms (adam, adamw, sgd) add no communication.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,9 +29,10 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._errors import LayerConfigError
 from ..core._collectives import mesh_ordered, varying_axes, vma_checked
-from ..sharding import filter_shard_map, sharded_init
+from ..core._random import global_index
+from ..sharding import filter_shard_map, shard, sharded_init
 from ..sharding._box import is_sharded
-from ..sharding._specs import spec_axes
+from ..sharding._specs import is_spec, spec_axes, specs_of
 
 LossFn = Callable[..., tuple[Array, dict[str, Array]]]
 
@@ -185,6 +194,67 @@ def _where(pred: Array, new: PyTree, old: PyTree) -> PyTree:
     )
 
 
+def _all_finite(mesh: Mesh) -> Callable[[PyTree], Array]:
+    """`all_finite(tree) -> bool[]` on global arrays: whether every float is finite.
+
+    Each device checks its blocks; one 4-byte all-reduce over the whole mesh combines
+    the verdicts (a reduction per array, as XLA would insert for `jnp.isfinite` on the
+    global arrays, costs a scalar per array).
+    """
+    axes = tuple(mesh.axis_names)
+
+    def local(tree: PyTree) -> Array:
+        finite = jnp.ones((), jnp.bool_)
+        for x in jax.tree.leaves(tree):
+            if eqx.is_inexact_array(x):
+                finite = finite & jnp.all(jnp.isfinite(x))
+        bad = (~finite).astype(jnp.int32)
+        if vma_checked(axes):  # psum needs a value typed as varying over its axes
+            missing = tuple(a for a in mesh_ordered(axes) if a not in varying_axes(bad))
+            bad = jax.lax.pcast(bad, missing, to="varying") if missing else bad
+        return jax.lax.psum(bad, axes) == 0
+
+    return filter_shard_map(local, mesh=mesh, out_specs=P())
+
+
+def _takes_index(loss_fn: Callable) -> bool:
+    """Whether `loss_fn` accepts the keyword `index` (the global example indices)."""
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        return False
+    param = params.get("index")
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return param is not None and param.kind in kinds
+
+
+def _batch_axis(batch_spec: P | PyTree) -> str | tuple[str, ...] | None:
+    """The mesh axes the batch's leading dimension is split over (one for every array)."""
+    entries = {
+        (tuple(spec)[0] if len(spec) else None)
+        for spec in jax.tree.leaves(batch_spec, is_leaf=is_spec)
+    }
+    if len(entries) > 1:
+        raise LayerConfigError(
+            f"make_train_step: a loss function that takes `index` needs every array of the "
+            f"batch split the same way along its first dimension; batch_spec splits them "
+            f"over {sorted(map(str, entries))}."
+        )
+    return entries.pop() if entries else None
+
+
+def _gradient_specs(model: PyTree) -> PyTree:
+    """The out_specs of the gradients of `model`: the parameters' own specs.
+
+    A parameter without a gradient (an integer array, a non-array) is an empty subtree
+    of the gradients; its entry `P()` is a prefix of nothing.
+    """
+    specs = specs_of(eqx.filter(model, eqx.is_inexact_array))
+    return jax.tree.map(
+        lambda s: P() if s is None else s, specs, is_leaf=lambda x: x is None or is_spec(x)
+    )
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -197,23 +267,33 @@ def make_train_step(
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Array]]]:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
 
-    The step runs inside one `filter_shard_map` over `mesh`:
+    One `jax.jit` runs two phases (see the "Your own model" guide):
 
-    1. `grad_accum` micro-steps over equal slices of the local batch, each
+    1. **Gradients, local view**, inside one `filter_shard_map` over `mesh`:
+       `grad_accum` micro-steps over equal slices of the local batch, each
        differentiating `loss_fn` (the global loss); gradients and metrics averaged.
        The gradients of parameters replicated over the data axes (those of
        `batch_spec`) are accumulated unreduced and all-reduced once, after the last
        micro-step — unless the loss depends on the parameters other than through the
-       data (then it is not one value per copy), when each micro-step reduces them;
-    2. the global gradient norm, computed across shards; clipping to `clip_norm`;
-    3. the optax update — skipped, and counted in `state.skipped` and the metrics, if
-       the loss or the gradient norm is not finite.
+       data (then it is not one value per copy), when each micro-step reduces them.
+       The gradients leave `shard_map` carrying their parameters' specs.
+    2. **Update, global view**: the gradient norm, clipping to `clip_norm`, and
+       `optimizer.update` on the global arrays, so any optax transform behaves as on
+       one device. The update is applied only if the loss, the gradient norm and the
+       update are all finite; otherwise the state is kept, and the step counted in
+       `state.skipped` and in the metrics' `skipped`.
 
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, batch, key) -> (loss, metrics)`, called in the local
       view. `loss` must be the global loss (the local mean `pmean`-ed over the data
       axes); `metrics` a dict of global scalars (aux losses, dropped tokens, ...).
+      A loss function with a keyword `index`, `loss_fn(model, batch, key, *, index)`,
+      is also given `int32[B_local]`, the global indices of its local examples (in the
+      step's whole batch, whatever the micro-batch), and always the step's key: per-
+      example keys `equishard.core.example_keys(key, index)` make dropout independent
+      of the layout and of `grad_accum`. The plain form gets the step's key, folded
+      with the micro-step under `grad_accum` (layout-dependent if split per example).
     - `optimizer`: an optax optimizer (its `update` is given the parameters).
     - `mesh`: the mesh.
     - `batch_spec`: the spec (or spec tree) of the global batch, e.g. `P(("dp", "fsdp"))`.
@@ -224,76 +304,102 @@ def make_train_step(
     **Returns:**
 
     `train_step(state, batch) -> (new_state, metrics)`; `metrics` holds `loss`,
-    `grad_norm`, `skipped` (1 if this step was not applied) and `loss_fn`'s metrics,
-    all global values.
+    `grad_norm` (before clipping), `skipped` (1 if this step was not applied: an
+    application stopping after N consecutive skips counts these) and `loss_fn`'s
+    metrics, all global values.
     """
     if grad_accum < 1:
         raise LayerConfigError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}.")
     data_axes = _spec_tree_axes(batch_spec)
+    with_index = _takes_index(loss_fn)
+    batch_axis = _batch_axis(batch_spec) if with_index else None
+    all_finite = _all_finite(mesh)
 
-    def local_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
-        key = jax.random.fold_in(state.key, state.step)
+    def loss_with_key(model: PyTree, micro: PyTree, key: PRNGKeyArray, index: Any) -> Any:
+        if with_index:
+            return loss_fn(model, micro, key, index=index)
+        return loss_fn(model, micro, key)
 
-        def value_and_grad(model: PyTree, micro: PyTree, key: PRNGKeyArray) -> Any:
-            return eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, micro, key)
+    def value_and_grad(model: PyTree, micro: PyTree, key: PRNGKeyArray, index: Any) -> Any:
+        return eqx.filter_value_and_grad(loss_with_key, has_aux=True)(model, micro, key, index)
 
+    def local_gradients(model: PyTree, batch: PyTree, key: PRNGKeyArray) -> Any:
+        local_batch = jax.tree.leaves(batch)[0].shape[0]
+        # int32[B/data]: where this device's examples sit in the global batch.
+        index = global_index(local_batch, batch_axis) if with_index else None
         if grad_accum == 1:
-            (loss, metrics), grads = value_and_grad(state.model, batch, key)
-        else:
-            # [B_local, ...] -> [k, B_local/k, ...]; the first micro-step outside the
-            # scan gives the carry its types (including how each value varies).
-            micro = _split_microbatches(batch, grad_accum)
-            head = jax.tree.map(lambda x: x[0], micro)
-            rest = (jnp.arange(1, grad_accum), jax.tree.map(lambda x: x[1:], micro))
+            (loss, metrics), grads = value_and_grad(model, batch, key, index)
+            return loss, metrics, global_norm(grads), grads
+        # [B_local, ...] -> [k, B_local/k, ...]; the first micro-step outside the
+        # scan gives the carry its types (including how each value varies).
+        micro = _split_microbatches((batch, index), grad_accum)
+        head = jax.tree.map(lambda x: x[0], micro)
+        rest = (jnp.arange(1, grad_accum), jax.tree.map(lambda x: x[1:], micro))
 
-            def accumulated(model: PyTree) -> Any:
-                def one(i: Any, micro_batch: PyTree) -> Any:
-                    (loss, metrics), grads = value_and_grad(
-                        model, micro_batch, jax.random.fold_in(key, i)
-                    )
-                    return jax.tree.map(lambda a: a / grad_accum, (loss, metrics, grads))
+        def accumulated(model: PyTree) -> Any:
+            def one(i: Any, micro_batch: Any) -> Any:
+                part, part_index = micro_batch
+                # Per-example keys come from `index`; the plain form folds the micro-step.
+                part_key = key if with_index else jax.random.fold_in(key, i)
+                (loss, metrics), grads = value_and_grad(model, part, part_key, part_index)
+                return jax.tree.map(lambda a: a / grad_accum, (loss, metrics, grads))
 
-                def accumulate(carry: Any, xs: Any) -> Any:
-                    return jax.tree.map(jnp.add, carry, one(*xs)), None
+            def accumulate(carry: Any, xs: Any) -> Any:
+                return jax.tree.map(jnp.add, carry, one(*xs)), None
 
-                first = one(0, head)
-                if not _invariant_over((first[0], first[1]), data_axes):
-                    return None
-                return jax.lax.scan(accumulate, first, rest)[0]
+            first = one(0, head)
+            if not _invariant_over((first[0], first[1]), data_axes):
+                return None
+            return jax.lax.scan(accumulate, first, rest)[0]
 
-            # Each micro-step would all-reduce the gradients of the parameters that are
-            # replicated over the data axes. Differentiating a copy cast to vary over
-            # them instead leaves each device's gradient unreduced; they are summed once,
-            # after the last micro-step (k times fewer bytes). That is exact whenever the
-            # loss is one global value (invariant over the data axes): the gradient of
-            # a function of n equal copies is the sum of the partial gradients.
-            varying, pending = _vary_over(state.model, data_axes)
-            result = accumulated(varying)
-            if result is None:  # the loss varies with the copies: reduce every micro-step
-                result = accumulated(state.model)
-                pending = None
-            loss, metrics, grads = result
-            if pending is not None:
-                grads = jax.tree.map(
-                    lambda g, axes: g if g is None or not axes else jax.lax.psum(g, axes),
-                    grads,
-                    pending,
-                    is_leaf=lambda g: g is None,
-                )
-        grad_norm = global_norm(grads)
+        # Each micro-step would all-reduce the gradients of the parameters that are
+        # replicated over the data axes. Differentiating a copy cast to vary over
+        # them instead leaves each device's gradient unreduced; they are summed once,
+        # after the last micro-step (k times fewer bytes). That is exact whenever the
+        # loss is one global value (invariant over the data axes): the gradient of
+        # a function of n equal copies is the sum of the partial gradients.
+        varying, pending = _vary_over(model, data_axes)
+        result = accumulated(varying)
+        if result is None:  # the loss varies with the copies: reduce every micro-step
+            result = accumulated(model)
+            pending = None
+        loss, metrics, grads = result
+        if pending is not None:
+            grads = jax.tree.map(
+                lambda g, axes: g if g is None or not axes else jax.lax.psum(g, axes),
+                grads,
+                pending,
+                is_leaf=lambda g: g is None,
+            )
+        return loss, metrics, global_norm(grads), grads
+
+    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
+        key = jax.random.fold_in(state.key, state.step)
+        # The out_specs are known before tracing (the parameters' specs): the body is
+        # traced once.
+        gradients = filter_shard_map(
+            local_gradients,
+            mesh=mesh,
+            in_specs=(None, batch_spec, P()),
+            out_specs=(P(), P(), P(), _gradient_specs(state.model)),
+        )
+        loss, metrics, grad_norm, grads = gradients(state.model, batch, key)
+
+        # Global view from here: `grads` are global arrays in their parameters' boxes.
         if clip_norm is not None:
             scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(updates)
         model = eqx.apply_updates(state.model, updates)
+        global_batch = jax.tree.leaves(batch)[0].shape[0]
         new_state = TrainState(
             step=state.step + 1,
             model=_where(ok, model, state.model),
             opt_state=_where(ok, opt_state, state.opt_state),
             key=state.key,
-            data_position=state.data_position,
+            data_position=state.data_position + global_batch,
             skipped=state.skipped + (~ok).astype(jnp.int32),
         )
         metrics = {
@@ -302,17 +408,8 @@ def make_train_step(
             "skipped": (~ok).astype(jnp.int32),
             **metrics,
         }
-        return new_state, metrics
-
-    sharded_step = filter_shard_map(
-        local_step, mesh=mesh, in_specs=(None, batch_spec), out_specs=(None, P())
-    )
-
-    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
-        global_batch = jax.tree.leaves(batch)[0].shape[0]
-        state, metrics = sharded_step(state, batch)
-        state = eqx.tree_at(lambda s: s.data_position, state, state.data_position + global_batch)
-        return state, metrics
+        # Each array keeps the layout it came in with (the next step's input layout).
+        return shard(new_state, mesh), metrics
 
     # `jax.jit` over the arrays, the rest static, rather than `eqx.filter_jit`: the
     # latter waits for each call to finish (to surface Equinox runtime errors), which
@@ -341,4 +438,3 @@ def make_train_step(
 
     step.lower = lower  # type: ignore[attr-defined]
     return step
-
