@@ -143,3 +143,52 @@ def execute_pipeline(module, x, *args, num_microbatches, model_axis_name, **kwar
 
     _, outputs = jax.lax.scan(body, jnp.zeros_like(micro[0]), inputs)
     return jnp.concatenate(outputs[-num_microbatches:], axis=0)
+
+
+# ----------------------------------------------------------------- ml/models/parallel.py
+# torch.autograd.Functions as custom VJPs; `mp.reduce` is an all-reduce with `op`,
+# `mp.split` narrows to this rank's slice, `mp.gather` concatenates the all-gather.
+
+_REDUCE = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
+def _split(x, axis_name, dim):
+    n = _size(axis_name)
+    size = x.shape[dim] // n
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size, axis=dim)
+
+
+def mp_copy(x, op, axis_name):
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    f.defvjp(lambda x: (x, None), lambda _, g: (_REDUCE[op](g, axis_name),))
+    return f(x)
+
+
+def mp_reduce(x, op, axis_name):
+    @jax.custom_vjp
+    def f(x):
+        return _REDUCE[op](x, axis_name)
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (g,))
+    return f(x)
+
+
+def mp_scatter(x, dim, axis_name):
+    @jax.custom_vjp
+    def f(x):
+        return _split(x, axis_name, dim)
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (jax.lax.all_gather(g, axis_name, axis=dim, tiled=True),))
+    return f(x)
+
+
+def mp_gather(x, dim, axis_name):
+    @jax.custom_vjp
+    def f(x):
+        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (_split(g, axis_name, dim),))
+    return f(x)

@@ -191,7 +191,7 @@ def test_gathers_in_bf16_equal_fp32_gather_then_cast():
 
     def local(v):
         ring = {k: jnp.concatenate(g(v.astype(jnp.bfloat16), axes), axis=0)[None] for k, g in GATHERS.items()}
-        ring["mp_gather"] = mp_gather(v.astype(jnp.bfloat16), axes, dim=0)[None]
+        ring["mp_gather"] = mp_gather(v.astype(jnp.bfloat16), 0, axis_name=axes)[None]
         fp32_then_cast = jax.lax.all_gather(v, axes, axis=0, tiled=True).astype(jnp.bfloat16)[None]
         return ring, fp32_then_cast
 
@@ -303,11 +303,11 @@ def conjugate_program(layout, axes, check_vma):
 
     def mlp(x, w1, w2):
         # f32[B, D] @ f32[D, H/n] -> f32[B, H/n] @ f32[H/n, D] -> partial f32[B, D] -> sum
-        return mp_reduce(jnp.tanh(mp_copy(x, axes) @ w1) @ w2, axes)
+        return mp_reduce(jnp.tanh(mp_copy(x, axis_name=axes) @ w1) @ w2, axis_name=axes)
 
     def seq(x, scale):
         # f32[S, D] -> f32[S/n, D] -> f32[S, D]
-        return mp_gather(jnp.tanh(mp_scatter(x, axes, dim=0)) * scale, axes, dim=0)
+        return mp_gather(jnp.tanh(mp_scatter(x, 0, axis_name=axes)) * scale, 0, axis_name=axes)
 
     def local(x, w1, w2, c, s, scale, cs):
         # Each device differentiates the loss computed from replicated outputs.
@@ -366,22 +366,22 @@ def test_conjugate_backwards_are_the_conjugate_collectives():
     # (not an all-reduce of a zero-padded array); mp_copy's a psum, mp_reduce's nothing.
     mesh, axes = mesh_of("8"), "x"
     s = rand(0, (16, 3))
-    seq = lambda v: (mp_gather(jnp.tanh(mp_scatter(v, axes, dim=0)), axes, dim=0) ** 2).sum()
+    seq = lambda v: (mp_gather(jnp.tanh(mp_scatter(v, 0, axis_name=axes)), 0, axis_name=axes) ** 2).sum()
     for check_vma in (True, False):
         fn = jax.jit(smap(jax.grad(seq), mesh, P(), P(), check_vma=check_vma))
         assert count_collectives(read_collectives(fn.lower(s).compile())) == {"all-gather": 2}
-        copy = lambda v: (mp_reduce(mp_copy(v, axes) * jax.lax.axis_index(axes), axes) ** 2).sum()
+        copy = lambda v: (mp_reduce(mp_copy(v, axis_name=axes) * jax.lax.axis_index(axes), axis_name=axes) ** 2).sum()
         fn = jax.jit(smap(jax.grad(copy), mesh, P(), P(), check_vma=check_vma))
         assert count_collectives(read_collectives(fn.lower(s).compile())) == {"all-reduce": 2}
 
 
 def test_conjugate_errors():
     mesh = mesh_of("4x2")
-    bad = lambda v: mp_scatter(v, ("tp", "dp"), dim=0)
+    bad = lambda v: mp_scatter(v, 0, axis_name=("tp", "dp"))
     with pytest.raises(es.SpecError, match=r"mp_scatter: dimension 0 .* shape \(6, 3\).* 8 devices"):
         jax.jit(smap(bad, mesh, P(), P(("tp", "dp"))))(jnp.zeros((6, 3)))
     with pytest.raises(es.SpecError, match="out of range"):
-        jax.jit(smap(lambda v: mp_gather(v, "tp", dim=2), mesh, P(), P()))(jnp.zeros((6, 3)))
+        jax.jit(smap(lambda v: mp_gather(v, 2, axis_name="tp"), mesh, P(), P()))(jnp.zeros((6, 3)))
 
 
 # ---------------------------------------------------------------------------- gather with mean grads

@@ -257,7 +257,7 @@ def test_inspect_and_plan():
 
 def test_coming_from():
     out = run_example("coming_from.py")
-    assert out.count(": True") == 3 and ": False" not in out
+    assert out.count(": True") == 4 and ": False" not in out
 
 
 # ------------------------------------------------------------------ the reference

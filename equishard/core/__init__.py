@@ -34,6 +34,7 @@ from ._moe import (
     top_k_router as top_k_router,
 )
 from ._collectives import (
+    ReduceOp as ReduceOp,
     async_gather as async_gather,
     async_gather_bidirectional as async_gather_bidirectional,
     async_gather_split as async_gather_split,

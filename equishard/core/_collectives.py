@@ -16,6 +16,7 @@ names one combined axis whose devices are ordered as the tuple names them (the
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Sequence
@@ -554,7 +555,7 @@ def async_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: A
 # ---------------------------------------------------------------------------
 # Conjugate region operators
 #
-# With the varying-axes check on (DESIGN's convention) JAX's typed collectives already
+# With the varying-axes check on (equishard's convention) JAX's typed collectives already
 # transpose into their conjugates: `pvary` <-> `psum`, and an all-gather to an
 # invariant value <-> taking this device's slice. The operators use them, so the
 # gradient is the true one whatever the types of the inputs. With `check_vma=False`
@@ -574,36 +575,109 @@ def _local_slice(x: Array, axes: tuple[str, ...], dim: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, axis=dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _copy_untyped(x, axes):
-    return x
+class ReduceOp(str, enum.Enum):
+    """The reductions `mp_copy` / `mp_reduce` accept as `op` (torch's `ReduceOp` names).
+
+    `SUM` (`jax.lax.psum`), `MEAN` (`jax.lax.pmean`, torch's `AVG`), `MAX` (`pmax`),
+    `MIN` (`pmin`): the reductions JAX's collectives support. The plain strings
+    `"sum"`, `"mean"` (or `"avg"`), `"max"`, `"min"` are accepted too; torch's `PRODUCT`
+    and bitwise reductions have no JAX collective and raise `SpecError`.
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
 
 
-def _copy_untyped_fwd(x, axes):
-    return x, None
+_REDUCERS = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
-def _copy_untyped_bwd(axes, _, g):
-    return (jax.lax.psum(g, mesh_ordered(axes)),)
+def _signature_error(fn_name: str, what: str, got: Any) -> SpecError:
+    second = "dim=-1" if fn_name in ("mp_scatter", "mp_gather") else "op=ReduceOp.SUM"
+    return SpecError(
+        f"{fn_name}: got {what}={got!r}. The signature is {fn_name}(x, {second}, *, axis_name) "
+        f"as in ml.models.parallel: the second positional parameter is `{what}` and the "
+        f"mesh axis is keyword-only, e.g. {fn_name}(x, axis_name={got!r})."
+    )
 
 
-_copy_untyped.defvjp(_copy_untyped_fwd, _copy_untyped_bwd)
+# torch's ReduceOp names JAX's collectives have no counterpart for.
+_UNSUPPORTED_OPS = ("product", "band", "bor", "bxor", "premul_sum")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduce_untyped(x, axes):
-    return jax.lax.psum(x, mesh_ordered(axes))
+def _check_op(fn_name: str, op: Any) -> str:
+    value = op.value if isinstance(op, ReduceOp) else op
+    value = "mean" if value == "avg" else value
+    if isinstance(value, str) and value in _REDUCERS:
+        return value
+    if isinstance(op, (str, tuple)) and op not in _UNSUPPORTED_OPS:
+        raise _signature_error(fn_name, "op", op)
+    raise SpecError(
+        f"{fn_name}: op {op!r} is not a reduction JAX's collectives support; use one of "
+        f"ReduceOp.SUM, ReduceOp.MEAN (torch's AVG), ReduceOp.MAX, ReduceOp.MIN."
+    )
 
 
-def _reduce_untyped_fwd(x, axes):
-    return _reduce_untyped(x, axes), None
+def _check_dim(fn_name: str, dim: Any) -> int:
+    if isinstance(dim, (str, tuple, list)):
+        raise _signature_error(fn_name, "dim", dim)
+    if not isinstance(dim, int):
+        raise SpecError(f"{fn_name}: dim must be an int, got {dim!r}.")
+    return dim
 
 
-def _reduce_untyped_bwd(axes, _, g):
-    return (g,)
+def _required_axis(fn_name: str, axis_name: AxisName | None) -> AxisName:
+    if axis_name is None:
+        second = "dim=-1" if fn_name in ("mp_scatter", "mp_gather") else "op=ReduceOp.SUM"
+        raise SpecError(
+            f"{fn_name}(x, {second}, *, axis_name) needs the model-parallel mesh axis as the "
+            f"keyword argument axis_name=..."
+        )
+    return axis_name
 
 
-_reduce_untyped.defvjp(_reduce_untyped_fwd, _reduce_untyped_bwd)
+def _reduce(x: Array, axes: tuple[str, ...], op: str) -> Array:
+    return _REDUCERS[op](x, mesh_ordered(axes))
+
+
+def _was_varying(x: Array, axes: tuple[str, ...]) -> bool:
+    """Whether `x` is typed varying along any of `axes` (its cotangent must be too)."""
+    return bool(set(axes) & varying_axes(x))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _copy_conjugate(x, axes, op, typed, was_varying):
+    return to_varying(x, axes) if typed else x
+
+
+def _copy_conjugate_fwd(x, axes, op, typed, was_varying):
+    return _copy_conjugate(x, axes, op, typed, was_varying), None
+
+
+def _copy_conjugate_bwd(axes, op, typed, was_varying, _, g):
+    g = _reduce(g, axes, op)
+    return (to_varying(g, axes) if was_varying else g,)
+
+
+_copy_conjugate.defvjp(_copy_conjugate_fwd, _copy_conjugate_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _reduce_conjugate(x, axes, op, was_varying):
+    return _reduce(x, axes, op)
+
+
+def _reduce_conjugate_fwd(x, axes, op, was_varying):
+    return _reduce(x, axes, op), None
+
+
+def _reduce_conjugate_bwd(axes, op, was_varying, _, g):
+    # Identity: each device gets the cotangent of the reduced value unchanged.
+    return (to_varying(g, axes) if was_varying else g,)
+
+
+_reduce_conjugate.defvjp(_reduce_conjugate_fwd, _reduce_conjugate_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -641,52 +715,88 @@ def _gather_untyped_bwd(axes, dim, _, g):
 _gather_untyped.defvjp(_gather_untyped_fwd, _gather_untyped_bwd)
 
 
-def mp_copy(x: Shaped[Array, "*shape"], axis_name: AxisName) -> Shaped[Array, "*shape"]:
-    """Enter a model-parallel region: forward identity, backward sum over the axis.
+def mp_copy(
+    x: Shaped[Array, "*shape"], op: ReduceOp | AxisName = ReduceOp.SUM, *, axis_name: AxisName | None = None
+) -> Shaped[Array, "*shape"]:
+    """Enter a model-parallel region: forward identity, backward reduction over the axis.
 
-    Megatron's `f` operator, placed before a column-parallel layer whose input is
-    replicated. With the varying-axes check on it is `pcast(x, to="varying")` on the
-    axes along which `x` is still invariant (its transpose is the `psum`); an input
-    already varying along the axis is passed through untouched, since each device's
-    value then has its own gradient. With `check_vma=False` the backward `psum` is
-    applied by a `custom_vjp`.
+    `ml.models.parallel.mp_copy` (Megatron's `f` operator), placed before a
+    column-parallel layer whose input is replicated.
+
+    Backward, by convention:
+
+    - `check_vma=False` (the reference's convention): the cotangent is reduced with
+      `op` over the axis (`psum` for `SUM`), exactly as the reference does.
+    - With the varying-axes check on (equishard's default) and `op=SUM`, `x` is cast to
+      varying along the axes on which it is still invariant, whose transpose is the
+      `psum`; an input already varying along the axis is passed through untouched,
+      since each device's value then has its own gradient (where the reference would
+      still sum). Other ops reduce the cotangent with `op` as the reference does.
 
     **Arguments:**
 
     - `x`: the (replicated) input.
-    - `axis_name`: the model-parallel mesh axis, or a tuple of them.
+    - `op`: the reduction of the backward pass: `ReduceOp.SUM` (default), `MEAN`, `MAX`,
+      `MIN`, or their strings.
+    - `axis_name`: the model-parallel mesh axis, or a tuple of them (keyword-only,
+      required).
 
     **Returns:**
 
     `x`, typed as varying along `axis_name`.
+
+    **Raises:**
+
+    `SpecError` if `op` is not a supported reduction (a string that is not one is taken
+    for an axis name passed in the old position, and the message says so).
     """
+    op = _check_op("mp_copy", op)
+    axis_name = _required_axis("mp_copy", axis_name)
     axes = axis_tuple(axis_name)
-    if vma_checked(axes):
+    typed = vma_checked(axes)
+    if typed and op == "sum":
         return to_varying(x, axes)
-    return _copy_untyped(x, axes)
+    return _copy_conjugate(x, axes, op, typed, typed and _was_varying(x, axes))
 
 
-def mp_reduce(x: Shaped[Array, "*shape"], axis_name: AxisName) -> Shaped[Array, "*shape"]:
-    """Leave a model-parallel region: forward sum over the axis, backward identity.
+def mp_reduce(
+    x: Shaped[Array, "*shape"], op: ReduceOp | AxisName = ReduceOp.SUM, *, axis_name: AxisName | None = None
+) -> Shaped[Array, "*shape"]:
+    """Leave a model-parallel region: forward reduction over the axis, backward identity.
 
-    Megatron's `g` operator, placed after a row-parallel layer whose outputs are partial
-    sums. With the varying-axes check on it is `jax.lax.psum` (invariant result; its
-    transpose hands the cotangent back to each device unchanged); with
-    `check_vma=False` the identity backward is applied by a `custom_vjp`.
+    `ml.models.parallel.mp_reduce` (Megatron's `g` operator), placed after a
+    row-parallel layer whose outputs are partial sums.
+
+    Backward, by convention: with `check_vma=False` (the reference's) and for every
+    `op`, each device gets the cotangent of the reduced value unchanged, as in the
+    reference. With the varying-axes check on (equishard's default) and `op=SUM`, it is
+    `jax.lax.psum`, whose transpose does the same for a varying input (the reduced value
+    is invariant, so its cotangent is the same on every device); other ops use the
+    identity backward explicitly.
 
     **Arguments:**
 
-    - `x`: this device's partial sum.
-    - `axis_name`: the model-parallel mesh axis, or a tuple of them.
+    - `x`: this device's partial value.
+    - `op`: the forward reduction: `ReduceOp.SUM` (default), `MEAN`, `MAX`, `MIN`, or
+      their strings.
+    - `axis_name`: the model-parallel mesh axis, or a tuple of them (keyword-only,
+      required).
 
     **Returns:**
 
-    The sum of `x` over the devices of `axis_name`, the same on each of them.
+    The reduction of `x` over the devices of `axis_name`, the same on each of them.
+
+    **Raises:**
+
+    `SpecError` if `op` is not a supported reduction.
     """
+    op = _check_op("mp_reduce", op)
+    axis_name = _required_axis("mp_reduce", axis_name)
     axes = axis_tuple(axis_name)
-    if vma_checked(axes):
+    typed = vma_checked(axes)
+    if typed and op == "sum":
         return jax.lax.psum(x, mesh_ordered(axes))
-    return _reduce_untyped(x, axes)
+    return _reduce_conjugate(x, axes, op, typed and _was_varying(x, axes))
 
 
 def _check_divisible(x: Array, dim: int, n: int, axis_name: AxisName, fn_name: str) -> None:
@@ -697,7 +807,9 @@ def _check_divisible(x: Array, dim: int, n: int, axis_name: AxisName, fn_name: s
         )
 
 
-def mp_scatter(x: Shaped[Array, "..."], axis_name: AxisName, dim: int = -1) -> Shaped[Array, "..."]:
+def mp_scatter(
+    x: Shaped[Array, "..."], dim: int | AxisName = -1, *, axis_name: AxisName | None = None
+) -> Shaped[Array, "..."]:
     """Split a replicated array across the model-parallel axis: keep this device's slice.
 
     Forward keeps block `i` (of `n` equal blocks along `dim`, in the logical order of
@@ -709,8 +821,11 @@ def mp_scatter(x: Shaped[Array, "..."], axis_name: AxisName, dim: int = -1) -> S
     **Arguments:**
 
     - `x`: the replicated array, shape `(..., N, ...)`.
-    - `axis_name`: the model-parallel mesh axis, or a tuple of them.
-    - `dim`: the dimension to split; `N` must be divisible by the axis size.
+    - `dim`: the dimension to split; `N` must be divisible by the axis size. (Typed to
+      admit a string only so that an axis name passed in the old position gets an
+      equishard error naming the new signature.)
+    - `axis_name`: the model-parallel mesh axis, or a tuple of them (keyword-only,
+      required).
 
     **Returns:**
 
@@ -718,10 +833,12 @@ def mp_scatter(x: Shaped[Array, "..."], axis_name: AxisName, dim: int = -1) -> S
 
     **Raises:**
 
-    `SpecError` if `dim` is out of range or `N` is not divisible by the axis size.
+    `SpecError` if `dim` is out of range or `N` is not divisible by the axis size, or a
+    string (an axis name in the old second position) is passed as `dim`.
     """
+    dim = _normalise_dim(x, _check_dim("mp_scatter", dim), "mp_scatter")
+    axis_name = _required_axis("mp_scatter", axis_name)
     axes = axis_tuple(axis_name)
-    dim = _normalise_dim(x, dim, "mp_scatter")
     _check_divisible(x, dim, combined_axis_size(axes), axis_name, "mp_scatter")
     if not vma_checked(axes):
         return _scatter_conjugate(x, axes, dim, False)
@@ -731,7 +848,9 @@ def mp_scatter(x: Shaped[Array, "..."], axis_name: AxisName, dim: int = -1) -> S
     return _local_slice(to_varying(x, axes), axes, dim)
 
 
-def mp_gather(x: Shaped[Array, "..."], axis_name: AxisName, dim: int = -1) -> Shaped[Array, "..."]:
+def mp_gather(
+    x: Shaped[Array, "..."], dim: int | AxisName = -1, *, axis_name: AxisName | None = None
+) -> Shaped[Array, "..."]:
     """Gather a split array from the model-parallel axis: backward keeps this device's slice.
 
     Forward concatenates the blocks of all devices along `dim` (in the logical order of
@@ -743,15 +862,18 @@ def mp_gather(x: Shaped[Array, "..."], axis_name: AxisName, dim: int = -1) -> Sh
     **Arguments:**
 
     - `x`: this device's block, shape `(..., N, ...)`.
-    - `axis_name`: the model-parallel mesh axis, or a tuple of them.
-    - `dim`: the dimension to gather along.
+    - `dim`: the dimension to gather along (a string raises `SpecError`, as in
+      `mp_scatter`).
+    - `axis_name`: the model-parallel mesh axis, or a tuple of them (keyword-only,
+      required).
 
     **Returns:**
 
     The gathered array, shape `(..., N * n, ...)`.
     """
+    dim = _normalise_dim(x, _check_dim("mp_gather", dim), "mp_gather")
+    axis_name = _required_axis("mp_gather", axis_name)
     axes = axis_tuple(axis_name)
-    dim = _normalise_dim(x, dim, "mp_gather")
     if vma_checked(axes):
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to="invarying")
     return _gather_untyped(x, axes, dim)

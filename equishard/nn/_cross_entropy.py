@@ -55,8 +55,8 @@ def vocab_parallel_cross_entropy(
     # The target logit, on the device that holds it; zero elsewhere.
     target = jnp.where(mine, picked, jnp.zeros((), picked.dtype))
     if bound:
-        sum_exp = mp_reduce(sum_exp, axis_name)
-        target = mp_reduce(target, axis_name)
+        sum_exp = mp_reduce(sum_exp, axis_name=axis_name)
+        target = mp_reduce(target, axis_name=axis_name)
     loss = jnp.log(sum_exp) - target
     if ignore_index is not None:
         loss = jnp.where(labels == ignore_index, jnp.zeros((), loss.dtype), loss)

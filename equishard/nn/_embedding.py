@@ -127,11 +127,11 @@ class ParallelEmbedding(eqx.Module):
             out = self._mask_padding(ids, out)
             if bound:
                 # f32[..., D/n] -> f32[..., D], replicated
-                out = mp_gather(out, self.axis_name, -1)
+                out = mp_gather(out, -1, axis_name=self.axis_name)
                 if self.sequence_parallel:
                     check_divisible("ParallelEmbedding", "the token dimension", out.shape[-2], self.axis_name, n)
                     # f32[..., T, D] -> f32[..., T/n, D]: this device's tokens
-                    out = mp_scatter(out, self.axis_name, -2)
+                    out = mp_scatter(out, -2, axis_name=self.axis_name)
             return out
         check_divisible("ParallelEmbedding", "num_embeddings", self.num_embeddings, self.axis_name, n)
         rows = self.num_embeddings // n
@@ -148,7 +148,7 @@ class ParallelEmbedding(eqx.Module):
             out = scatter_tokens(out, self.axis_name)
         elif bound:
             # partial f32[..., D] -> f32[..., D], replicated
-            out = mp_reduce(out, self.axis_name)
+            out = mp_reduce(out, axis_name=self.axis_name)
         return out
 
     def _mask_padding(self, ids: Array, out: Array) -> Array:

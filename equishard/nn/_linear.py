@@ -83,7 +83,7 @@ def gather_strided(y: Array, axis_name: str, stride: int) -> Array:
     """
     n = axis_size(axis_name)
     # f32[..., F/n] -> f32[..., F], ordered (device, piece, feature)
-    y = mp_gather(y, axis_name, -1)
+    y = mp_gather(y, -1, axis_name=axis_name)
     if stride == 1:
         return y
     lead = y.shape[:-1]
@@ -99,10 +99,10 @@ def scatter_strided(x: Array, axis_name: str, stride: int) -> Array:
     The inverse of `gather_strided`: `[..., F]` -> `[..., F/n]`.
     """
     if stride == 1:
-        return mp_scatter(x, axis_name, -1)
+        return mp_scatter(x, -1, axis_name=axis_name)
     lead = x.shape[:-1]
     # f32[..., F] -> f32[..., s, F/s] -> f32[..., s, F/(s n)] -> f32[..., F/n]
-    x = mp_scatter(x.reshape(*lead, stride, -1), axis_name, -1)
+    x = mp_scatter(x.reshape(*lead, stride, -1), -1, axis_name=axis_name)
     return x.reshape(*lead, -1)
 
 
@@ -264,7 +264,7 @@ class ColumnParallelLinear(eqx.Module):
             x = gather_tokens(x, self.axis_name)
         elif bound:
             # Enter the model-parallel region: the gradient of x is summed over the axis.
-            x = mp_copy(x, self.axis_name)
+            x = mp_copy(x, axis_name=self.axis_name)
         # f32[out/n, in]: this device's rows, the stride pieces concatenated.
         w = jnp.reshape(value_of(self.weight), (-1, self.in_features))
         # f32[..., in] @ f32[in, out/n] -> f32[..., out/n]
@@ -421,7 +421,7 @@ class RowParallelLinear(eqx.Module):
                 y = scatter_tokens(y, self.axis_name)
             else:
                 # f32[..., out] (partial) -> f32[..., out], replicated
-                y = mp_reduce(y, self.axis_name)
+                y = mp_reduce(y, axis_name=self.axis_name)
         if self.bias is not None:
             y = add_bias(y, value_of(self.bias))
         return y

@@ -1,0 +1,263 @@
+"""TPDense / TPAsyncDense: feature-split tensor parallelism as in the xLSTM library.
+
+Against the single-device dense layers (values, every gradient) and against an oracle
+written from xlstm-jax's `TPDense` / `TPAsyncDense` (values and input gradients), on
+axes of size 2, 3 (a sub-mesh) and 4 and on dp=2 x tp=4; one compiled program per mesh
+holds every layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import equishard as es
+from equishard.core import count_collectives, read_collectives
+from equishard.nn import Dense, TPAsyncDense, TPDense
+
+from . import seed_oracles as ref
+from .helpers import assert_tree_allclose
+
+B, T, D, F = 2, 5, 24, 48  # T odd: no constraint on the tokens
+SIZES = (2, 3, 4)
+VARIANTS = {  # name: (class, kwargs)
+    "sync": (TPDense, {}),
+    "async_uni": (TPAsyncDense, {"use_bidirectional_gather": False, "use_bidirectional_scatter": False}),
+    "async_bi": (TPAsyncDense, {"use_bidirectional_gather": True, "use_bidirectional_scatter": True}),
+}
+
+
+@functools.cache
+def mesh_of(n: int, dp: int = 1) -> Mesh:
+    return Mesh(np.array(jax.devices()[: n * dp]).reshape(dp, n), ("dp", "tp"))
+
+
+def build(n, dp=1):
+    """For each variant, a gather layer D -> F and a scatter layer F -> D (same keys)."""
+    kg, ks = jax.random.split(jax.random.key(3))
+
+    def make():
+        layers = {}
+        for name, (cls, kw) in VARIANTS.items():
+            up = cls(functools.partial(Dense, D, F // n), "tp", "gather", kernel_init_adjustment=0.5, key=kg, **_gather_kw(kw))
+            down = cls(functools.partial(Dense, F // n, D), "tp", "scatter", key=ks, **_scatter_kw(kw))
+            layers[name] = (up, down)
+        return layers
+
+    layers = es.sharded_init(lambda: make(), mesh=mesh_of(n, dp))
+    # Non-zero biases, the same for every variant.
+    kb = jax.random.key(4)
+    bias_up = jax.random.normal(kb, (F,))
+    bias_down = jax.random.normal(jax.random.fold_in(kb, 1), (D,))
+    return {
+        k: (
+            eqx.tree_at(lambda m: m.dense["module"].bias.value, up, es.shard(bias_up, mesh_of(n, dp), P("tp"))),
+            eqx.tree_at(lambda m: m.dense["module"].bias.value, down, es.shard(bias_down, mesh_of(n, dp), P("tp"))),
+        )
+        for k, (up, down) in layers.items()
+    }
+
+
+def _gather_kw(kw):
+    return {k: v for k, v in kw.items() if k == "use_bidirectional_gather"}
+
+
+def _scatter_kw(kw):
+    return {k: v for k, v in kw.items() if k == "use_bidirectional_scatter"}
+
+
+def global_params(layer):
+    m = layer.dense["module"]
+    return m.kernel.value, m.bias.value
+
+
+def single_device(params, x):
+    (k1, b1), (k2, b2) = params
+    h = jax.nn.gelu(x @ k1 + b1[None, None])
+    return h @ k2 + b2[None, None]
+
+
+@functools.cache
+def program(n, dp):
+    mesh = mesh_of(n, dp)
+
+    def body(layers, x, probe):
+        def loss(layers, x):
+            outs = {}
+            for name, (up, down) in layers.items():
+                # f32[B/dp, T, D/tp] -> f32[B/dp, T, F/tp] -> f32[B/dp, T, D/tp]
+                outs[name] = down(jax.nn.gelu(up(x)))
+            total = sum(jnp.sum(o * probe) for o in outs.values())
+            return jax.lax.psum(total, ("dp", "tp")), outs
+
+        (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layers, x)
+        return outs, grads
+
+    spec = P("dp", None, "tp")
+    fn = es.filter_shard_map(body, mesh=mesh, in_specs=(None, spec, spec), out_specs=({k: spec for k in VARIANTS}, (None, spec)))
+    return eqx.filter_jit(fn)
+
+
+@pytest.mark.parametrize("n,dp", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)])
+def test_tp_mlp_gather_then_scatter_equals_single_device(n, dp):
+    layers = build(n, dp)
+    x = jax.random.normal(jax.random.key(5), (B * dp, T, D))
+    probe = jax.random.normal(jax.random.key(6), (B * dp, T, D))
+    outs, (grads, x_grad) = program(n, dp)(layers, x, probe)
+    params = tuple(global_params(l) for l in layers["sync"])
+    want, vjp = jax.vjp(single_device, params, x)
+    want_params, want_x = vjp(probe)
+    for name in VARIANTS:
+        assert_tree_allclose(outs[name], want)
+        got = tuple(global_params(l) for l in es.gather(grads[name]))
+        assert_tree_allclose(got, want_params)
+    # The input's gradient sums the variants' (each contributes the same).
+    assert_tree_allclose(x_grad, len(VARIANTS) * want_x)
+
+
+def test_tp_dense_kernel_is_mesh_invariant_and_adjusted():
+    a, b = build(2)["sync"][0], build(4)["sync"][0]
+    assert_tree_allclose(global_params(a)[0], global_params(b)[0])
+    lecun = jax.nn.initializers.lecun_normal()(jax.random.split(jax.random.key(3))[0], (D, F))
+    assert_tree_allclose(global_params(a)[0], 0.5 * lecun)  # kernel_init scaled by the adjustment
+    # "none" mode (and an axis of size 1) uses kernel_init without the adjustment.
+    none = TPDense(functools.partial(Dense, D, F), "tp", "none", kernel_init_adjustment=0.5, key=jax.random.key(0))
+    one = es.sharded_init(
+        lambda: TPDense(functools.partial(Dense, D, F), "tp", "gather", kernel_init_adjustment=0.5, key=jax.random.key(0)),
+        mesh=mesh_of(1),
+    )
+    plain = jax.nn.initializers.lecun_normal()(jax.random.key(0), (D, F))
+    assert_tree_allclose(global_params(none)[0], plain)
+    assert_tree_allclose(global_params(one)[0], plain)
+    assert one.tp_mode == "none" and all(e is None for e in es.specs_of(one.dense["module"].kernel))
+
+
+# --------------------------------------------------------------------------- the reference's oracle
+
+
+def _blocks(a, n, dim):
+    return np.split(np.asarray(a), n, axis=dim)
+
+
+@functools.cache
+def oracle_program(n):
+    mesh = mesh_of(n)
+
+    def body(layers, x, up_k, dn_k, dn_k_split):
+        # ours
+        def ours(x, name):
+            up, down = layers[name]
+            return down(jax.nn.gelu(up(x)))
+
+        # the reference's computation with each device's kernels given explicitly
+        (kg, bg), (ks, bs) = [(l.dense["module"].kernel.value, l.dense["module"].bias.value) for l in layers["sync"]]
+        first = (jax.lax.axis_index("tp") == 0).astype(x.dtype)
+
+        def ref_sync(x):
+            h = jax.nn.gelu(jax.lax.all_gather(x, "tp", axis=x.ndim - 1, tiled=True) @ kg + bg[None, None])
+            y = h @ ks + first * jax.lax.all_gather(bs, "tp", tiled=True)[None, None]  # the bias once
+            return jax.lax.psum_scatter(y, "tp", scatter_dimension=y.ndim - 1, tiled=True)
+
+        def ref_async(x, bidirectional):
+            gather = ref.async_gather_bidirectional if bidirectional else ref.async_gather
+            xs = gather(x, "tp")
+            h = jax.nn.gelu(sum(xk @ up_k[0, k] for k, xk in enumerate(xs)) + bg[None, None])
+            if bidirectional:
+                ys = [h @ dn_k_split[0, k] for k in range(n)]
+                y = ref.async_scatter_split(ys, "tp")
+            else:
+                ys = [h @ dn_k[0, k] for k in range(n)]
+                y = ref.async_scatter(ys, "tp")
+            return y + bs[None, None]
+
+        res = {}
+        for name, fn in (
+            ("sync", ref_sync),
+            ("async_uni", lambda x: ref_async(x, False)),
+            ("async_bi", lambda x: ref_async(x, True)),
+        ):
+            o, vjp_o = jax.vjp(lambda x: ours(x, name), x)
+            r, vjp_r = jax.vjp(fn, x)
+            res[name] = (o, r, vjp_o(jnp.ones_like(o))[0], vjp_r(jnp.ones_like(r))[0])
+        return res
+
+    spec = P(None, None, "tp")
+    return eqx.filter_jit(
+        es.filter_shard_map(body, mesh=mesh, in_specs=(None, spec, P("tp"), P("tp"), P("tp")), out_specs=spec, check_vma=False)
+    )
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_tp_dense_matches_reference_oracle(n):
+    layers = build(n)
+    (kg, _), (ks, _) = [global_params(l) for l in layers["sync"]]
+    rows = _blocks(kg, n, 0)  # kg: [D, F]; rows of device d: [D/n, F]
+    up_k = np.stack([[_blocks(rows[(i - k) % n], n, 1)[i] for k in range(n)] for i in range(n)])
+    cols = _blocks(ks, n, 1)  # ks: [F, D]; columns of device d: [F, D/n]
+    mine = lambda i: _blocks(ks, n, 0)[i]  # noqa: E731  this device's rows [F/n, D]
+    dn_k = np.stack([[_blocks(mine(i), n, 1)[(i - k - 1) % n] for k in range(n)] for i in range(n)])
+    half = D // n // 2
+    dn_k_split = np.stack(
+        [
+            [
+                np.concatenate(
+                    [_blocks(mine(i), n, 1)[(i - k - 1) % n][:, :half], _blocks(mine(i), n, 1)[(i + k + 1) % n][:, half:]],
+                    axis=1,
+                )
+                for k in range(n)
+            ]
+            for i in range(n)
+        ]
+    )
+    del cols
+    x = jax.random.normal(jax.random.key(8), (B, T, D))
+    res = oracle_program(n)(layers, x, up_k, dn_k, dn_k_split)
+    for name, (o, r, go, gr) in res.items():
+        assert_tree_allclose(o, r)
+        assert_tree_allclose(go, gr)
+
+
+def test_tp_async_dense_compiles_to_collective_permutes_only():
+    layers = {k: v for k, v in build(4).items() if k != "sync"}
+    x = jax.random.normal(jax.random.key(5), (B, T, D))
+    fn = program_async_only()
+    counts = count_collectives(read_collectives(fn.lower(layers, x).compile()))
+    assert counts.get("collective-permute", 0) > 0, counts
+    assert "all-gather" not in counts and "reduce-scatter" not in counts, counts
+
+
+@functools.cache
+def program_async_only():
+    spec = P(None, None, "tp")
+
+    def body(layers, x):
+        def loss(layers, x):
+            return jax.lax.psum(sum(jnp.sum(down(jax.nn.gelu(up(x))) ** 2) for up, down in layers.values()), "tp")
+
+        return jax.grad(loss, argnums=(0, 1))(layers, x)
+
+    return eqx.filter_jit(es.filter_shard_map(body, mesh=mesh_of(4), in_specs=(None, spec), out_specs=(None, spec)))
+
+
+def test_configuration_errors_name_the_layer_and_value():
+    key = jax.random.key(0)
+    dense = functools.partial(Dense, D, F)
+    with pytest.raises(es.LayerConfigError, match=r"TPDense: unknown tp_mode 'scater'"):
+        TPDense(dense, "tp", "scater", key=key)
+    with pytest.raises(es.LayerConfigError, match=r"TPAsyncDense: unknown tp_mode 'Gather'"):
+        TPAsyncDense(dense, "tp", "Gather", key=key)
+    with pytest.raises(es.LayerConfigError, match=r"TPDense: dense_fn is configured with the local sizes"):
+        TPDense(dense, "tp", "gather", key=key)  # no mesh to read the axis size from
+    with pytest.raises(es.LayerConfigError, match=r"dense_fn must build a module with a `kernel`"):
+        TPDense(lambda kernel_init, key: eqx.nn.Linear(D, F, key=key), "tp", "none", key=key)
+    # An input that is not split over features as the layer expects: refused at trace time.
+    layer = es.sharded_init(lambda: TPDense(functools.partial(Dense, D, F // 4), "tp", "gather", key=key), mesh=mesh_of(4))
+    fn = es.filter_shard_map(lambda layer, x: layer(x), mesh=mesh_of(4), in_specs=(None, P()), out_specs=P(None, "tp"))
+    with pytest.raises(es.LayerConfigError, match=r"TPDense: tp_mode='gather' takes an input split over features"):
+        jax.eval_shape(fn, layer, jnp.ones((3, D)))
