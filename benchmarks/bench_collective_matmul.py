@@ -45,7 +45,8 @@ def main() -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import equishard as es
-    from equishard.core import all_gather_matmul, count_collectives, matmul_reduce_scatter, read_collectives
+    from equishard.core import all_gather_matmul, matmul_reduce_scatter
+    from equishard.report import count_collectives, read_collectives
 
     backend = jax.default_backend()
     n = jax.device_count()

@@ -38,7 +38,7 @@ def main() -> None:
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import equishard as es
-    from equishard.core import collective_bytes, count_collectives, read_collectives
+    from equishard.report import collective_bytes, count_collectives, read_collectives
     from equishard.nn import FSDP
 
     class Layer(eqx.Module):

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import equishard as es  # noqa: E402
-from equishard.core import collective_bytes, count_collectives, read_collectives  # noqa: E402
+from equishard.report import collective_bytes, count_collectives, read_collectives  # noqa: E402
 from equishard.nn import MoE  # noqa: E402
 
 

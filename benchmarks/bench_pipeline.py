@@ -37,13 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import equishard as es  # noqa: E402
-from equishard.core import (  # noqa: E402
-    collective_bytes,
-    from_last_stage,
-    pipeline_schedule,
-    read_collectives,
-    schedule_report,
-)
+from equishard.core import from_last_stage, pipeline_schedule, schedule_report
+from equishard.report import collective_bytes, read_collectives
 from equishard.nn import PipelineModule  # noqa: E402
 
 

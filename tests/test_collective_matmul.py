@@ -16,13 +16,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.core import (
-    all_gather_matmul,
-    collective_bytes,
-    count_collectives,
-    matmul_reduce_scatter,
-    read_collectives,
-)
+from equishard.core import all_gather_matmul, matmul_reduce_scatter
+from equishard.report import collective_bytes, count_collectives, read_collectives
 
 from .helpers import assert_tree_allclose
 from .test_collectives import case_id, compiled_values_and_grads, mesh_of, rand, size_of, smap

@@ -19,14 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import (
-    count_collectives,
-    collective_bytes,
     gather_array_with_mean_grads,
     mp_copy,
     mp_gather,
     mp_reduce,
     mp_scatter,
-    read_collectives,
     ring_all_gather,
     ring_all_gather_bidirectional,
     ring_all_gather_split,
@@ -34,6 +31,7 @@ from equishard.core import (
     ring_reduce_scatter_split,
     ring_shift,
 )
+from equishard.report import count_collectives, collective_bytes, read_collectives
 
 from .helpers import assert_tree_allclose
 

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.core import (
+from equishard.report import (
     CollectiveOp,
     collective_bytes,
     collective_table,

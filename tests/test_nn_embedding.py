@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.core import read_collectives
+from equishard.report import read_collectives
 from equishard.nn import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, vocab_parallel_cross_entropy
 
 from .helpers import assert_tree_allclose

@@ -21,9 +21,9 @@ from equishard.core import (
     from_last_stage,
     pipeline_layer_order,
     pipeline_schedule,
-    read_collectives,
     schedule_report,
 )
+from equishard.report import read_collectives
 from equishard.nn import PipelineModule
 
 from .helpers import assert_tree_allclose

@@ -20,12 +20,12 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard._cli import main
 from equishard._cli_report import parse_bytes
-from equishard.core import collective_bytes, read_collectives
 from equishard.models import PRESETS
 from equishard.nn import FSDP, TransformerBlock
 from equishard.report import (
     axes_of_groups,
     axes_of_pairs,
+    collective_bytes,
     data_parallel_minimum,
     expert_parallel_minimum,
     fsdp_minimum,
@@ -33,11 +33,11 @@ from equishard.report import (
     gpt_report,
     parse_replica_groups,
     pipeline_minimum,
+    read_collectives,
     report,
     tensor_parallel_minimum,
 )
 from equishard.report._axes import collective_axes
-from equishard.core._hlo import _parse_module
 from equishard.sharding import Layout
 
 F32 = 4
@@ -226,15 +226,14 @@ def test_replica_groups_to_mesh_axes(attrs, axes):
         "HloModule m, num_partitions=8\n\n"
         f"ENTRY %main {{\n  %p = f32[8] parameter(0)\n  %r = f32[8] all-reduce(%p), {attrs}\n}}"
     )
-    instr = _parse_module(text).computations["main"][1]
-    assert collective_axes(instr, MESH) == axes
-    (op,) = read_collectives(text)  # the reader reads every form too
+    (op,) = read_collectives(text)  # the reader parses the groups once, in every form
+    assert collective_axes(op, MESH) == axes
     assert op.group_size == (2 if axes is None else math.prod(MESH[a] for a in axes))
 
 
 def test_sub_axis_groups_and_pairs():
     groups = parse_replica_groups("replica_groups=mesh['x'=8] {'x':(1)2}", 8)
-    assert groups is not None and groups == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert axes_of_groups(groups, {"a": 2, "b": 4}) == ("a",)
     assert axes_of_pairs([(0, 1), (1, 0), (2, 3), (3, 2)], MESH) == ("b",)
     assert axes_of_pairs([(0, 2), (2, 4), (4, 6), (6, 0)], MESH) == ("a",)

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import equishard as es
-from equishard.core import count_collectives, read_collectives
+from equishard.report import count_collectives, read_collectives
 from equishard.nn import Dense, TPAsyncDense, TPDense
 
 from . import seed_oracles as ref

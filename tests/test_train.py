@@ -17,7 +17,7 @@ from equishard.sharding import Layout
 from equishard.train import init_train_state, make_train_step
 
 
-from equishard.core import collective_bytes, read_collectives
+from equishard.report import collective_bytes, read_collectives
 
 from .helpers import assert_tree_allclose, rel_err
 

@@ -17,14 +17,12 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.core import (
     all_gather_matmul,
-    collective_bytes,
-    count_collectives,
     matmul_reduce_scatter,
-    read_collectives,
     ring_all_gather,
     ring_reduce_scatter,
     ring_shift,
 )
+from equishard.report import collective_bytes, count_collectives, read_collectives
 
 
 def local(fn, mesh, in_specs, out_specs):

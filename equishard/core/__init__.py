@@ -1,4 +1,12 @@
-"""Pure functions on local blocks, valid inside `shard_map`: collectives, collective matmuls, attention kernels, MoE routing, pipeline schedules and the HLO collective reader."""
+"""Pure functions on local blocks, valid inside `shard_map`: collectives, collective matmuls, attention kernels, MoE routing and pipeline schedules.
+
+The HLO collective reader moved to `equishard.report` (`read_collectives`, ...); its
+old names here still work, with a `DeprecationWarning`, until the next release.
+"""
+
+import importlib as _importlib
+import typing as _typing
+import warnings as _warnings
 
 from ._attention import (
     BLOCKWISE_THRESHOLD as BLOCKWISE_THRESHOLD,
@@ -8,15 +16,6 @@ from ._attention import (
     cudnn_supported as cudnn_supported,
     dense_attention as dense_attention,
     merge_attention as merge_attention,
-)
-
-from ._hlo import (
-    COLLECTIVE_KINDS as COLLECTIVE_KINDS,
-    CollectiveOp as CollectiveOp,
-    collective_bytes as collective_bytes,
-    collective_table as collective_table,
-    count_collectives as count_collectives,
-    read_collectives as read_collectives,
 )
 from ._moe import (
     RaggedPlan as RaggedPlan,
@@ -64,3 +63,25 @@ from ._pipeline import (
     pipeline_schedule as pipeline_schedule,
     schedule_report as schedule_report,
 )
+
+_MOVED_TO_REPORT = (
+    "COLLECTIVE_KINDS",
+    "CollectiveOp",
+    "collective_bytes",
+    "collective_table",
+    "count_collectives",
+    "read_collectives",
+)
+
+
+def __getattr__(name: str) -> _typing.Any:
+    # Resolved on first use only: importing `core` never imports `report`.
+    if name in _MOVED_TO_REPORT:
+        _warnings.warn(
+            f"equishard.core.{name} is deprecated and will be removed in the next release: "
+            f"the HLO reader moved to equishard.report (use equishard.report.{name}).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_importlib.import_module("equishard.report"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,23 @@
 """Communication and memory reports of compiled train steps, and analytical minima.
 
-`report(compiled, mesh=...)` lists every collective of a compiled program with its mesh
+`read_collectives(compiled)` is the HLO collective reader the tests, the benchmarks and
+the reports share: every collective a compiled program runs, its replica groups, loop
+trip counts applied, and the bytes each device sends. `report(compiled, mesh=...)` lists every collective of a compiled program with its mesh
 axes and the bytes each device sends, and the compiler's per-device memory;
 `gpt_report` compiles the reference GPT's real train step for any layout, from shapes
 alone, and sets the measured bytes beside `gpt_minimum`, the analytical minimum (see
 `equishard.report._minimum` for every formula).
 """
 
-from ._axes import (
-    axes_of_groups as axes_of_groups,
-    axes_of_pairs as axes_of_pairs,
+from ._axes import axes_of_groups as axes_of_groups, axes_of_pairs as axes_of_pairs
+from ._hlo import (
+    COLLECTIVE_KINDS as COLLECTIVE_KINDS,
+    CollectiveOp as CollectiveOp,
+    collective_bytes as collective_bytes,
+    collective_table as collective_table,
+    count_collectives as count_collectives,
     parse_replica_groups as parse_replica_groups,
+    read_collectives as read_collectives,
 )
 from ._gpt import (
     PLAN_PRESETS as PLAN_PRESETS,
@@ -38,7 +45,7 @@ from ._report import (
     MemoryStats as MemoryStats,
     StepReport as StepReport,
     format_report as format_report,
-    human_bytes as human_bytes,
     memory_stats as memory_stats,
     report as report,
 )
+from .._text import human_bytes as human_bytes

@@ -1,7 +1,7 @@
 """Analytical minima: the bytes each device must send per train step, by layout.
 
 All figures are bytes **each device sends** in one train step under ring algorithms,
-the convention of `equishard.core.read_collectives`, so a minimum and a measured figure
+the convention of `equishard.report.read_collectives`, so a minimum and a measured figure
 compare directly. `n` is the size of the axis (or product of axes) a collective runs
 over; `(n − 1)/n` is a ring all-gather's or reduce-scatter's share, `2(n − 1)/n` an
 all-reduce's (a reduce-scatter then an all-gather).
@@ -82,7 +82,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from ..core import expert_capacity
-from ..sharding._table import human_bytes
+from .._text import human_bytes, text_table
 from ..models import GPT, GPTConfig
 from ..models._gpt import canonical_path
 from ..sharding import Layout, ParamRow
@@ -264,10 +264,6 @@ class Minimum:
         return format_minimum(self)
 
 
-def _human(n: float | int) -> str:
-    return human_bytes(n, digits=2)
-
-
 def format_minimum(minimum: Minimum) -> str:
     """A plain-text table of a minimum's terms with its totals.
 
@@ -281,14 +277,11 @@ def format_minimum(minimum: Minimum) -> str:
     """
     header = ("term", "kind", "axes", "n", "formula", "bytes/device", "ideal")
     rows = [
-        (t.name, t.kind, ",".join(t.axes), str(t.n), t.formula, _human(t.bytes), _human(t.ideal_bytes))
+        (t.name, t.kind, ",".join(t.axes), str(t.n), t.formula, human_bytes(t.bytes), human_bytes(t.ideal_bytes))
         for t in minimum.terms
     ]
-    total = ("total", "", "", "", "", _human(minimum.total), _human(minimum.ideal_total))
-    widths = [max(len(r[i]) for r in [header, *rows, total]) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *map(line, rows), rule, line(total)])
+    total = ("total", "", "", "", "", human_bytes(minimum.total), human_bytes(minimum.ideal_total))
+    return text_table(header, rows, total)
 
 
 # ------------------------------------------------------------- the reference GPT
@@ -388,7 +381,7 @@ def _parameter_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
                 "all-gather/reduce-scatter",
                 ("fsdp",),
                 fsdp,
-                f"3(n-1)/n · P_sharded, P_sharded = {_human(fsdp * stored)}"
+                f"3(n-1)/n · P_sharded, P_sharded = {human_bytes(fsdp * stored)}"
                 + (f" x {calls:g} stage calls" if s.stages > 1 else ""),
                 per_pass(calls),
                 per_pass(ideal_calls),
@@ -407,7 +400,7 @@ def _parameter_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
                 "all-reduce",
                 axes,
                 n,
-                f"2(n-1)/n · {_human(stored)}",
+                f"2(n-1)/n · {human_bytes(stored)}",
                 value,
                 value,
             )
@@ -435,7 +428,7 @@ def _tensor_terms(s: _Setting) -> list[Term]:
             kind,
             ("tp",),
             n,
-            f"{total_blocks} x 2(n-1)/n · A, A = {_human(a)}"
+            f"{total_blocks} x 2(n-1)/n · A, A = {human_bytes(a)}"
             + (f", x T/(R M S) = {scale:g}" if s.stages > 1 else ""),
             total_blocks * ar * a * scale,
             total_blocks * ar * a * ideal_scale,
@@ -476,7 +469,7 @@ def _expert_terms(s: _Setting) -> list[Term]:
                 ("ep",),
                 s.ep,
                 f"{4 * moe_layers} x (n-1)/n · C, C = {groups}x{config.num_experts}x{capacity}"
-                f"x{config.d_model} x 4 B = {_human(buffer)}",
+                f"x{config.d_model} x 4 B = {human_bytes(buffer)}",
                 value,
                 value,
             )
@@ -512,7 +505,7 @@ def _pipeline_terms(s: _Setting) -> list[Term]:
             "collective-permute",
             ("pp",),
             s.stages,
-            f"2(T - 1) · A/M, T = R M + S - 1 = {s.steps}, A/M = {_human(per_mb)}",
+            f"2(T - 1) · A/M, T = R M + S - 1 = {s.steps}, A/M = {human_bytes(per_mb)}",
             sends,
             ideal,
         ),

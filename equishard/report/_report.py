@@ -2,7 +2,7 @@
 
 `report(program, mesh=...)` reads any compiled (or lowered) program: every collective
 with the mesh axes it runs over, its shapes, dtype, count (loop trip counts applied)
-and the bytes each device sends under ring algorithms (`equishard.core.read_collectives`);
+and the bytes each device sends under ring algorithms (`read_collectives`);
 the per-device argument, output and temporary memory from the compiler's memory
 analysis; optionally the per-parameter table and an analytical minimum to compare with.
 `gpt_report` does all of it for the reference GPT under a layout, compiling (never
@@ -18,10 +18,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from ..core import CollectiveOp, read_collectives
-from ..core._hlo import _parse_module, _program_text, compiled_program
+from .._text import human_bytes, text_table
 from ..sharding import ParamRow
 from ._axes import collective_axes
+from ._hlo import CollectiveOp, compiled_program, format_shapes, read_collectives
 from ._minimum import Minimum, format_minimum
 
 __all__ = ["CollectiveRow", "MemoryStats", "StepReport", "format_report", "memory_stats", "report"]
@@ -33,7 +33,7 @@ class CollectiveRow:
 
     **Fields:**
 
-    - `op`: the `equishard.core.CollectiveOp` (kind, group size, shapes, count, bytes).
+    - `op`: the reader's `CollectiveOp` (kind, group size, shapes, count, bytes).
     - `axes`: the mesh axes it runs over, in mesh order (`None` when its replica groups
       match no set of axes, or no mesh was given).
     """
@@ -189,47 +189,17 @@ def report(
 
     A `StepReport`; `str(report)` is the printed report.
     """
-    program = compiled_program(program)
-    text = _program_text(program)
+    program = program if isinstance(program, str) else compiled_program(program)
     shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh or {})
-    instrs = {i.name: i for comp in _parse_module(text).computations.values() for i in comp}
-    rows = []
-    for op in read_collectives(text):
-        axes = None
-        if shape and op.name in instrs:
-            axes = collective_axes(instrs[op.name], shape)
-        rows.append(CollectiveRow(op, axes))
+    rows = tuple(  # the module is parsed once, by the reader
+        CollectiveRow(op, collective_axes(op, shape) if shape else None)
+        for op in read_collectives(program)
+    )
     memory = None if isinstance(program, str) else memory_stats(program)
-    return StepReport(tuple(rows), memory, tuple(params), minimum, shape, description)
+    return StepReport(rows, memory, tuple(params), minimum, shape, description)
 
 
 # ---------------------------------------------------------------------------- format
-
-
-def human_bytes(n: float | int) -> str:
-    """`n` bytes as `"1.50 MiB"`."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], total: Sequence[str] | None = None) -> str:
-    everything = [header, *rows, *([total] if total else [])]
-    widths = [max(len(r[i]) for r in everything) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    rule = "  ".join("-" * w for w in widths)
-    out = [line(header), rule, *map(line, rows)]
-    if total:
-        out += [rule, line(total)]
-    return "\n".join(out)
-
-
-def _shapes(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> str:
-    parts = [f"{d}[{','.join(map(str, dims))}]" for d, dims in shapes]
-    text = parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _axes_text(axes: tuple[str, ...] | None) -> str:
@@ -245,7 +215,7 @@ def format_collectives(collectives: Sequence[CollectiveRow]) -> str:
             _axes_text(c.axes),
             str(c.op.group_size),
             str(c.count),
-            _shapes(c.op.operand_shapes),
+            format_shapes(c.op.operand_shapes, limit=60),
             human_bytes(c.bytes_per_device),
             human_bytes(c.total_bytes),
         )
@@ -253,7 +223,7 @@ def format_collectives(collectives: Sequence[CollectiveRow]) -> str:
     ]
     total_bytes = sum(c.total_bytes for c in collectives)
     total = ("total", "", "", str(sum(c.count for c in collectives)), "", "", human_bytes(total_bytes))
-    return _table(header, rows, total)
+    return text_table(header, rows, total)
 
 
 def format_params(rows: Sequence[ParamRow]) -> str:
@@ -271,7 +241,7 @@ def format_params(rows: Sequence[ParamRow]) -> str:
     ]
     per_device = sum(r.bytes_per_device for r in rows)
     total = ("total", "", "", "", human_bytes(per_device))
-    return _table(header, body, total)
+    return text_table(header, body, total)
 
 
 def format_memory(memory: MemoryStats) -> str:

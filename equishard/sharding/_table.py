@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._text import human_bytes, text_table
 from ._specs import leaves_with_specs
 
 
@@ -78,15 +79,6 @@ def param_table(tree: PyTree, mesh: Mesh) -> list[ParamRow]:
     return rows
 
 
-def human_bytes(n: int | float, digits: int = 1) -> str:
-    """`n` bytes in binary units: `human_bytes(3 * 2**20) == "3.0 MiB"`."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def format_param_table(tree: PyTree, mesh: Mesh) -> str:
     """The sharding table of `tree` on `mesh` as aligned text, with a total line.
 
@@ -108,21 +100,15 @@ def format_param_table(tree: PyTree, mesh: Mesh) -> str:
             r.dtype,
             str(r.spec).removeprefix("PartitionSpec"),
             "x".join(map(str, r.local_shape)) or "()",
-            human_bytes(r.bytes_per_device),
+            human_bytes(r.bytes_per_device, digits=1),
         )
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     total = sum(r.total_bytes for r in rows)
     per_device = sum(r.bytes_per_device for r in rows)
     axes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    return "\n".join(
-        [
-            line(header),
-            line(tuple("-" * w for w in widths)),
-            *map(line, body),
-            f"{len(rows)} arrays, {human_bytes(total)} in all, {human_bytes(per_device)} per device "
-            f"on mesh ({axes}).",
-        ]
+    return (
+        text_table(header, body)
+        + f"\n{len(rows)} arrays, {human_bytes(total, digits=1)} in all, "
+        f"{human_bytes(per_device, digits=1)} per device on mesh ({axes})."
     )

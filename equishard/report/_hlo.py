@@ -75,10 +75,13 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
+import numpy as np
+
+from .._text import human_bytes, text_table
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -86,10 +89,12 @@ __all__ = [
     "collective_bytes",
     "collective_table",
     "count_collectives",
+    "parse_replica_groups",
     "read_collectives",
 ]
 
 Shape = tuple[str, tuple[int, ...]]
+Groups = tuple[tuple[int, ...], ...]
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
     "all-gather",
@@ -122,6 +127,10 @@ class CollectiveOp:
     - `bytes_per_device`: the bytes each device sends in one execution under ring
         algorithms (see the module documentation).
     - `name`: the HLO instruction's name.
+    - `replica_groups`: the device groups (partition indices) it runs over, as printed
+        in any form (`None` for a collective-permute).
+    - `source_target_pairs`: a collective-permute's `(source, target)` partition
+        indices (`None` for the other kinds, or when the text has none).
     """
 
     kind: str
@@ -132,6 +141,8 @@ class CollectiveOp:
     computation: str
     bytes_per_device: float
     name: str = ""
+    replica_groups: Groups | None = None
+    source_target_pairs: tuple[tuple[int, int], ...] | None = None
 
     @property
     def total_bytes(self) -> float:
@@ -141,9 +152,9 @@ class CollectiveOp:
     def __str__(self) -> str:
         return (
             f"{self.kind} ×{self.count} (n={self.group_size}) "
-            f"{_format_shapes(self.operand_shapes)} -> {_format_shapes(self.result_shapes)}: "
-            f"{_format_bytes(self.bytes_per_device)}/device each, "
-            f"{_format_bytes(self.total_bytes)} total, in {self.computation}"
+            f"{format_shapes(self.operand_shapes)} -> {format_shapes(self.result_shapes)}: "
+            f"{human_bytes(self.bytes_per_device)}/device each, "
+            f"{human_bytes(self.total_bytes)} total, in {self.computation}"
         )
 
 
@@ -179,17 +190,11 @@ def _nbytes(shapes: Iterable[Shape]) -> float:
     return float(sum(_dtype_bytes(dtype) * math.prod(dims) for dtype, dims in shapes))
 
 
-def _format_shapes(shapes: Sequence[Shape]) -> str:
+def format_shapes(shapes: Sequence[Shape], limit: int | None = None) -> str:
+    """`f32[8,16]`, or `(f32[8], s32[])` for several; cut to `limit` characters."""
     parts = [f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in shapes]
-    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    text = parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------- text structure
@@ -409,7 +414,7 @@ def _trip_count(module: _Module, loop: _Instr) -> int:
     inferred = None if condition is None else _infer_trip_count(module, loop, condition)
     if inferred is None:
         warnings.warn(
-            f"equishard.core.read_collectives: cannot determine the trip count of while "
+            f"equishard.report.read_collectives: cannot determine the trip count of while "
             f"loop %{loop.name}; counting its collectives once.",
             stacklevel=4,
         )
@@ -458,59 +463,121 @@ def _multiplicities(module: _Module) -> dict[str, int]:
     return mult
 
 
-# ---------------------------------------------------------------------- group sizes
+# -------------------------------------------------------------------- device groups
 
 
-_IOTA_GROUPS = re.compile(r"\[([\d,\s]+)\]<=\[[\d,\s]+\](?:T\([\d,\s]+\))?")
-_MESH_GROUPS = re.compile(  # device_ids=(...) may hold an iota with a transpose: ([4,2]T(1,0))
-    r"(maximal_)?mesh\[([^\]]*)\](?:\s*,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}"
+_IOTA = re.compile(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
+_MESH = re.compile(  # device_ids=(...) may hold an iota with a transpose: ([4,2]T(1,0))
+    r"(maximal_)?mesh\[([^\]]*)\](?:\s*,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^}]*)\}"
 )
+_DEVICE_IOTA = re.compile(r"\[([\d,\s]+)\](?:<=\[([\d,\s]+)\])?(?:T\(([\d,\s]+)\))?")
+_PAIR = re.compile(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}")
 
 
-def _mesh_group_size(axes_text: str, group_text: str) -> int:
-    """Group size of `mesh['a'=4,'b'=2] {'a',...}`: the product of the named axes' sizes."""
-    names, sizes = [], {}
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+    """`[dims]<=... T(perm)`: `arange` reshaped to `dims`, transposed by `perm`, flattened."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm if perm else range(len(dims))).reshape(-1)
+
+
+def _device_ids(text: str | None, total: int) -> np.ndarray | None:
+    """The `device_ids=(...)` of a mesh-form group (explicit or iota), else `arange`."""
+    if text is None:
+        return np.arange(total)
+    iota = _DEVICE_IOTA.fullmatch(text.strip())  # [8]<=[4,2]T(1,0) or [4,2]T(1,0)
+    if iota:
+        perm = _ints(iota.group(3)) if iota.group(3) else None
+        ids = _iota(_ints(iota.group(2) or iota.group(1)), perm)
+        return ids if ids.size == total else None
+    ids = [int(t) for t in re.findall(r"\d+", text)]  # explicit, possibly nested lists
+    return np.asarray(ids) if len(ids) == total else None
+
+
+def _mesh_form_groups(axes_text: str, ids_text: str | None, group_text: str) -> Groups | None:
+    """The groups of `mesh['a'=4,'b'=2] {'a'}` (sub-axes `'a':(k)m` included).
+
+    The named axes are the HLO module's own (GSPMD prints `axis_0`, `axis_1`, ...), so
+    the groups are worked out from the sizes, not from any mesh of the caller's.
+    """
+    names, sizes = [], []
     for item in _split_top(axes_text):
         name, _, size = item.partition("=")
-        name = name.strip().strip("'\"")
-        names.append(name)
-        sizes[name] = int(size)
-    total = 1
+        names.append(name.strip().strip("'\""))
+        sizes.append(int(size))
+    factors = [[size] for size in sizes]  # each axis, split where a sub-axis says so
+    chosen: list[tuple[int, int]] = []
     for item in _split_top(group_text):
+        item = item.strip()
         sub = re.fullmatch(r"(.+?):\((\d+)\)(\d+)", item)
-        if sub:
-            total *= int(sub.group(3))
+        name = (sub.group(1) if sub else item).strip().strip("'\"")
+        axis = names.index(name) if name in names else int(name) if name.isdigit() else -1
+        if axis < 0 or axis >= len(names):
+            return None
+        if sub is None:
+            chosen.append((axis, 0))
             continue
-        name = item.strip().strip("'\"")
-        if name not in sizes and name.isdigit():
-            name = names[int(name)]
-        total *= sizes[name]
-    return total
+        pre, size = int(sub.group(2)), int(sub.group(3))
+        if len(factors[axis]) != 1 or sizes[axis] % (pre * size):
+            return None
+        factors[axis] = [pre, size, sizes[axis] // (pre * size)]
+        chosen.append((axis, 1))
+    ids = _device_ids(ids_text, math.prod(sizes))
+    if ids is None:
+        return None
+    dims = [f for axis in factors for f in axis]
+    offsets = np.cumsum([0] + [len(axis) for axis in factors])
+    picked = [int(offsets[axis]) + k for axis, k in chosen]
+    rest = [d for d in range(len(dims)) if d not in picked]
+    grid = ids.reshape(dims).transpose(rest + picked)
+    width = math.prod(dims[d] for d in picked)
+    return tuple(tuple(int(i) for i in row) for row in grid.reshape(-1, width))
 
 
-def _group_size(module: _Module, instr: _Instr) -> int:
-    """Replica-group size of a collective (devices per group)."""
-    attrs = instr.attrs
+def parse_replica_groups(attrs: str, num_devices: int) -> Groups | None:
+    """The device groups of a collective's `replica_groups` attribute, in any printed form.
+
+    Explicit (`{{0,1},{2,3}}`), iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`), mesh axes
+    (`mesh['a'=4,'b'=2] {'a'}`, sub-axes `'a':(1)2`, with or without `device_ids`),
+    `maximal_mesh` (one device per group) and empty (`{}`: every device).
+
+    **Arguments:**
+
+    - `attrs`: the attribute text of the HLO instruction (after its operands).
+    - `num_devices`: the devices an empty `{}` stands for.
+
+    **Returns:**
+
+    The groups (tuples of partition indices); `None` when the attribute is absent or
+    unreadable.
+    """
     at = attrs.find("replica_groups=")
     if at < 0:
-        return _all_devices(module, instr)
+        return None
     value = attrs[at + len("replica_groups=") :].lstrip()
     if value.startswith("{"):
-        groups = value[: _balanced_end(value, 0)]
-        inner = re.findall(r"\{([\d,\s]*)\}", groups[1:-1])
-        sizes = [len([d for d in g.split(",") if d.strip()]) for g in inner]
-        return max(sizes) if sizes else _all_devices(module, instr)
-    iota = _IOTA_GROUPS.match(value)
+        inner = value[: _balanced_end(value, 0)][1:-1]
+        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", inner))
+        return groups or (tuple(range(num_devices)),)
+    iota = _IOTA.match(value)
     if iota:
-        return int(iota.group(1).split(",")[-1])
-    mesh = _MESH_GROUPS.match(value)
+        shape = _ints(iota.group(1))
+        perm = _ints(iota.group(3)) if iota.group(3) else None
+        ids = _iota(_ints(iota.group(2)), perm).reshape(-1, shape[-1])
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    mesh = _MESH.match(value)
     if mesh:
-        return 1 if mesh.group(1) else _mesh_group_size(mesh.group(2), mesh.group(3))
-    raise ValueError(f"unrecognised replica_groups in HLO instruction %{instr.name}: {value[:80]!r}")
+        if mesh.group(1):  # maximal_mesh: one device
+            return tuple((i,) for i in range(num_devices))
+        return _mesh_form_groups(mesh.group(2), mesh.group(3), mesh.group(4))
+    return None
 
 
 def _all_devices(module: _Module, instr: _Instr) -> int:
-    """Group size of an empty `replica_groups={}`: every replica or partition."""
+    """The devices of a collective without replica groups (or with empty ones)."""
     if "use_global_device_ids=true" in instr.attrs:
         return module.num_partitions * module.replica_count
     if "channel_id=" in instr.attrs:
@@ -518,13 +585,34 @@ def _all_devices(module: _Module, instr: _Instr) -> int:
     return module.replica_count
 
 
-def _permute_group_size(instr: _Instr) -> int:
-    """Devices in the largest connected component of `source_target_pairs`."""
+def _replica_groups(module: _Module, instr: _Instr) -> Groups:
+    """A collective's device groups: as printed, or every device when none are printed."""
+    everyone = _all_devices(module, instr)
+    if "replica_groups=" not in instr.attrs:
+        return (tuple(range(everyone)),)
+    groups = parse_replica_groups(instr.attrs, everyone)
+    if groups is None:
+        at = instr.attrs.find("replica_groups=")
+        raise ValueError(
+            f"unrecognised replica_groups in HLO instruction %{instr.name}: "
+            f"{instr.attrs[at + len('replica_groups=') :][:80]!r}"
+        )
+    return groups
+
+
+def _source_target_pairs(instr: _Instr) -> tuple[tuple[int, int], ...] | None:
+    """A collective-permute's `(source, target)` pairs (`None` when not printed)."""
     at = instr.attrs.find("source_target_pairs=")
     if at < 0:
-        return 1
+        return None
     value = instr.attrs[at + len("source_target_pairs=") :]
-    pairs = re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", value[: _balanced_end(value, 0)])
+    return tuple((int(a), int(b)) for a, b in _PAIR.findall(value[: _balanced_end(value, 0)]))
+
+
+def _ring_size(pairs: Sequence[tuple[int, int]] | None) -> int:
+    """Devices in the largest connected component of a permute's pairs."""
+    if not pairs:
+        return 1
     parent: dict[int, int] = {}
 
     def find(x: int) -> int:
@@ -535,7 +623,7 @@ def _permute_group_size(instr: _Instr) -> int:
         return x
 
     for a, b in pairs:
-        parent[find(int(a))] = find(int(b))
+        parent[find(a)] = find(b)
     components: dict[int, int] = {}
     for device in list(parent):
         root = find(device)
@@ -662,10 +750,13 @@ def read_collectives(program: Any) -> list[CollectiveOp]:
                     result_shapes = _parse_shapes(done.shape)
                 else:
                     result_shapes = _start_results(instr.shape, kind)
+            groups, pairs = None, None
             if kind == "collective-permute":
-                n = _permute_group_size(instr)
+                pairs = _source_target_pairs(instr)
+                n = _ring_size(pairs)
             else:
-                n = _group_size(module, instr)
+                groups = _replica_groups(module, instr)
+                n = max(len(g) for g in groups)
             ops.append(
                 CollectiveOp(
                     kind=kind,
@@ -676,6 +767,8 @@ def read_collectives(program: Any) -> list[CollectiveOp]:
                     computation=comp,
                     bytes_per_device=_bytes_per_device(kind, n, operand_shapes, result_shapes),
                     name=instr.name,
+                    replica_groups=groups,
+                    source_target_pairs=pairs,
                 )
             )
     return ops
@@ -736,20 +829,14 @@ def collective_table(ops: Iterable[CollectiveOp]) -> str:
             op.kind,
             str(op.group_size),
             str(op.count),
-            _format_shapes(op.operand_shapes),
-            _format_shapes(op.result_shapes),
-            _format_bytes(op.bytes_per_device),
-            _format_bytes(op.total_bytes),
+            format_shapes(op.operand_shapes),
+            format_shapes(op.result_shapes),
+            human_bytes(op.bytes_per_device),
+            human_bytes(op.total_bytes),
             op.computation,
         )
         for op in ops
     ]
     executions = sum(op.count for op in ops)
-    total = ("total", "", str(executions), "", "", "", _format_bytes(collective_bytes(ops)), "")
-    widths = [max(len(r[i]) for r in [header, *rows, total]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *map(line, rows), rule, line(total)])
+    total = ("total", "", str(executions), "", "", "", human_bytes(collective_bytes(ops)), "")
+    return text_table(header, rows, total)
