@@ -9,7 +9,7 @@ For each of
 one-directional and bidirectional, the script compiles both programs over one mesh axis
 of all the devices, checks that they agree, and prints the median time of each, the
 ratio overlapped / plain (below 1: the ring is faster), and the collectives each
-compiled program runs (read by `equishard.core.read_collectives`).
+compiled program runs (read by `equishard.report.read_collectives`).
 
     python benchmarks/bench_collective_matmul.py [--rows 2048 --k 2048 --cols 2048] [--grad]
 

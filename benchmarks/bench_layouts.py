@@ -25,7 +25,7 @@ block), float32, AdamW with global-norm clipping at 1.0. For each layout:
 
 The two are timed interleaved (a, b, a, b, ...) after a warm-up; the tables give the
 median step time, the collective bytes each device sends per step (read from each
-compiled program by `equishard.core.read_collectives`, loop trip counts applied), the
+compiled program by `equishard.report.read_collectives`, loop trip counts applied), the
 analytical minimum of equishard's algorithm (`equishard.report.gpt_minimum`), the
 compiler's per-device memory (`memory_analysis`) and compile times.
 

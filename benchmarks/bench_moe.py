@@ -2,7 +2,7 @@
 
 For each expert-axis size it compiles one forward+backward step of the layer (the
 global loss of the equishard gradient convention), times it, and reads the compiled
-program with `equishard.core.read_collectives`: the all-to-all bytes each device sends
+program with `equishard.report.read_collectives`: the all-to-all bytes each device sends
 (`all-to-all` and `ragged-all-to-all`) against the minimum for the capacity buffers,
 `4 · (n − 1)/n · E·G·C·D·itemsize` (dispatch and combine, forward and backward; `G`
 the token groups per device, `C` the capacity).

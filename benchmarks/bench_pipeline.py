@@ -10,7 +10,7 @@ global over the stage axis by `equishard.core.from_last_stage`), times it, and p
   estimated as `steps × layers per stage × one layer's residuals for one micro-batch`;
 - what the compiled program says: its temporary memory per device
   (`memory_analysis`) and the collective-permute bytes each device sends
-  (`equishard.core.read_collectives`);
+  (`equishard.report.read_collectives`);
 - the measured step time (median over `--steps` runs after one warm-up).
 
 On the CPU it simulates 8 devices (`jax_num_cpu_devices=8`, set only there); on a GPU or
