@@ -18,7 +18,19 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.core import attention, blockwise_attention, dense_attention, merge_attention
+from equishard.core import (
+    alltoall_attention,
+    attention,
+    blockwise_attention,
+    context_positions,
+    dense_attention,
+    merge_attention,
+    ring_attention,
+    ring_attention_block_pairs,
+    zigzag_indices,
+    zigzag_permute,
+    zigzag_unpermute,
+)
 from equishard.report import memory_stats
 
 from .helpers import BF16_RTOL, FP32_RTOL, assert_tree_allclose, rel_err
@@ -256,3 +268,181 @@ def test_blockwise_memory_grows_linearly():
     # temporaries (per-block scores plus O(S) carries) grow by at most 2.2x.
     t4, t8 = attention_temp_bytes(4096), attention_temp_bytes(8192)
     assert t8 <= 2.2 * t4, (t4, t8)
+
+
+# ---------------------------------------------------------------------------- context parallelism
+
+SEQ_SPEC = P(None, "cp", None, None)
+
+
+def cp_variants(cp: int, heads: int):
+    """(name, layout, implementation) of the context-parallel variants `cp` and `heads` allow."""
+    out = [("ring-contiguous", "contiguous", "ring"), ("ring-zigzag", "zigzag", "ring")]
+    if heads % cp == 0:
+        out += [("alltoall-contiguous", "contiguous", "alltoall"), ("alltoall-zigzag", "zigzag", "alltoall")]
+    return out
+
+
+@functools.cache
+def context_parallel_program(cp: int, heads: int):
+    """One program: every variant, causal and not, value and gradients, against the reference."""
+    mesh = es.make_mesh(f"cp={cp}")
+
+    def sharded(layout, impl, causal):
+        def local(q, k, v):
+            if impl == "ring":
+                return ring_attention(q, k, v, "cp", causal=causal, layout=layout, block_size=4)
+            return alltoall_attention(q, k, v, "cp", causal=causal, layout=layout, block_size=8)
+
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC)
+        if layout == "contiguous":
+            return fn
+        # Tokens enter in zigzag order and leave in token order again.
+        zz = functools.partial(zigzag_permute, cp=cp, axis=1)
+        return lambda q, k, v: zigzag_unpermute(fn(zz(q), zz(k), zz(v)), cp, axis=1)
+
+    def run(q, k, v):
+        results = {}
+        for causal in (True, False):
+            results[f"reference-{causal}"] = value_and_grads(kernel_fn("reference", causal, False), q, k, v)
+            for name, layout, impl in cp_variants(cp, heads):
+                results[f"{name}-{causal}"] = value_and_grads(sharded(layout, impl, causal), q, k, v)
+        return results
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_context_parallel_equals_reference(cp):
+    # GQA (4 query heads, 2 key/value heads), 64 tokens; causal and not; ring with the
+    # contiguous and the zigzag split, all-to-all where the heads divide by cp.
+    q, k, v = qkv(b=2, s=64, h=4, hkv=2)
+    results = context_parallel_program(cp, 4)(q, k, v)
+    for causal in (True, False):
+        for name, _, _ in cp_variants(cp, 4):
+            assert_tree_allclose(results[f"{name}-{causal}"], results[f"reference-{causal}"], FP32_RTOL)
+
+
+def test_ring_with_packed_segments():
+    # Packed documents: positions restart per document; zigzag-permuted with the tokens.
+    cp, mesh = 4, es.make_mesh("cp=4")
+    q, k, v = qkv(b=2, s=64)
+    pos, _, seg, _ = packed_masks(2, 64)
+    zz = functools.partial(zigzag_permute, cp=cp, axis=1)
+    row = P(None, "cp")
+
+    def local(q, k, v, pos, seg):
+        return ring_attention(q, k, v, "cp", q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, block_size=4)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(SEQ_SPEC,) * 3 + (row, row), out_specs=SEQ_SPEC)
+
+    @jax.jit
+    def both(q, k, v):
+        got = value_and_grads(lambda q, k, v: zigzag_unpermute(fn(zz(q), zz(k), zz(v), zz(pos), zz(seg)), cp, axis=1), q, k, v)
+        want = value_and_grads(kernel_fn("reference", True, True), q, k, v, pos, pos, seg, seg)
+        return got, want
+
+    got, want = both(q, k, v)
+    assert_tree_allclose(got, want, FP32_RTOL)
+
+
+def test_zigzag_helpers():
+    idx = zigzag_indices(16, 4)
+    # Device i holds chunks i and 2*cp-1-i (chunks of 2 tokens).
+    np.testing.assert_array_equal(idx.reshape(4, 4), [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]])
+    x = jnp.arange(32.0).reshape(2, 16)
+    np.testing.assert_array_equal(zigzag_unpermute(zigzag_permute(x, 4), 4), x)
+    # Inside shard_map each device's positions are its slots' tokens.
+    mesh = es.make_mesh("cp=4")
+    for layout, want in (("zigzag", idx), ("contiguous", np.arange(16))):
+        fn = jax.shard_map(lambda: context_positions(4, "cp", layout=layout), mesh=mesh, in_specs=(), out_specs=P("cp"))
+        np.testing.assert_array_equal(jax.jit(fn)(), want)
+
+
+def test_zigzag_balances_causal_work():
+    # Block pairs the kernel computes per device (fully-masked pairs skipped), cp=8, 256
+    # tokens in blocks of 8: zigzag within 5 % between devices; the contiguous split
+    # gives the last device ~(2 cp - 1)x the first's work.
+    cp, mesh = 8, es.make_mesh("cp=8")
+    q, k, v = qkv(b=1, s=256, h=2, hkv=1)
+    counts = {}
+    for layout in ("contiguous", "zigzag"):
+        fn = jax.shard_map(
+            lambda q, k, v: ring_attention_block_pairs(q, k, v, "cp", layout=layout, block_size=8)[None],
+            mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=P("cp"),
+        )  # fmt: skip
+        counts[layout] = np.asarray(jax.jit(fn)(q, k, v))
+    zz, plain = counts["zigzag"], counts["contiguous"]
+    assert (zz.max() - zz.min()) / zz.max() <= 0.05, zz
+    # Contiguous (chunks of 4 blocks): device i computes i full chunk pairs of 16 block
+    # pairs and a diagonal of 10: 10 to 122 pairs, the last device 12.2x the first.
+    np.testing.assert_array_equal(plain, [16 * i + 10 for i in range(cp)])
+    # Zigzag (chunks of 2 blocks): 2 cp - 1 full chunk pairs of 4 and two diagonals of 3.
+    np.testing.assert_array_equal(zz, [4 * (2 * cp - 1) + 2 * 3] * cp)
+
+
+def _ancestors(eqns, var) -> set[int]:
+    """Indices of the equations `var` depends on (transitively) within one jaxpr."""
+    producer = {id(o): i for i, e in enumerate(eqns) for o in e.outvars}
+    seen: set[int] = set()
+    stack = [var]
+    while stack:
+        i = producer.get(id(stack.pop()))
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        stack.extend(v for v in eqns[i].invars if not isinstance(v, jax.extend.core.Literal))
+    return seen
+
+
+def _ring_bodies(jaxpr) -> list:
+    """The bodies of the scans that contain a ppermute (the ring loops), found recursively."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for sub in _subjaxprs(eqn):
+            if eqn.primitive.name == "scan" and any(e.primitive.name == "ppermute" for e in sub.eqns):
+                found.append(sub)
+            found.extend(_ring_bodies(sub))
+    return found
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def test_ring_transfer_does_not_wait_for_compute():
+    # In the forward and backward ring loops, the ppermute that fetches the next key/value
+    # block depends on no computation of the current block (no dot_general, no loop over
+    # blocks): it is issued first and a backend that overlaps can hide it.
+    mesh = es.make_mesh("cp=4")
+    q, k, v = qkv(b=1, s=32)
+    fn = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "cp", block_size=4), mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v))(q, k, v)
+    bodies = _ring_bodies(jaxpr.jaxpr)
+    assert len(bodies) == 2, "expected one forward and one backward ring loop"
+    compute = {"dot_general", "scan", "while", "cond"}
+    for body in bodies:
+        eqns = body.eqns
+        first_compute = min(i for i, e in enumerate(eqns) if e.primitive.name in compute)
+        kv_transfer = next(e for e in eqns if e.primitive.name == "ppermute")
+        index = eqns.index(kv_transfer)
+        assert index < first_compute
+        deps = set().union(*(_ancestors(eqns, v) for v in kv_transfer.invars))
+        assert not any(eqns[i].primitive.name in compute for i in deps)
+
+
+def test_context_parallel_misconfiguration():
+    mesh = es.make_mesh("cp=8")
+    q, k, v = qkv(b=1, s=64, h=4, hkv=2)
+    fn = jax.shard_map(lambda q, k, v: alltoall_attention(q, k, v, "cp"), mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC)
+    with pytest.raises(es.LayerConfigError, match="n_heads=4 is not divisible by the size 8"):
+        jax.jit(fn)(q, k, v)
+    with pytest.raises(es.LayerConfigError, match="seq_len=20 must be a multiple of 2 \\* cp = 8"):
+        zigzag_indices(20, 4)
+    with pytest.raises(es.LayerConfigError, match="layout='zig'"):
+        jax.jit(jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "cp", layout="zig"), mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC))(q, k, v)

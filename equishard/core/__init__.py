@@ -11,11 +11,18 @@ import warnings as _warnings
 from ._attention import (
     BLOCKWISE_THRESHOLD as BLOCKWISE_THRESHOLD,
     DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE,
+    alltoall_attention as alltoall_attention,
     attention as attention,
     blockwise_attention as blockwise_attention,
+    context_positions as context_positions,
     cudnn_supported as cudnn_supported,
     dense_attention as dense_attention,
     merge_attention as merge_attention,
+    ring_attention as ring_attention,
+    ring_attention_block_pairs as ring_attention_block_pairs,
+    zigzag_indices as zigzag_indices,
+    zigzag_permute as zigzag_permute,
+    zigzag_unpermute as zigzag_unpermute,
 )
 from ._moe import (
     RaggedPlan as RaggedPlan,

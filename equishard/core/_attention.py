@@ -28,10 +28,19 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._errors import LayerConfigError
-from ._collectives import mesh_ordered, to_varying, varying_axes
+from ._collectives import (
+    AxisName,
+    axis_tuple,
+    combined_axis_size,
+    mesh_ordered,
+    ring_shift,
+    to_varying,
+    varying_axes,
+)
 
 BLOCKWISE_THRESHOLD = 512
 """Key lengths at or above which `attention` uses the blockwise kernel (without cuDNN).
@@ -194,18 +203,29 @@ def _unblocks(x: Array) -> Array:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _flash_forward(c: _Canon, causal: bool, scale: float, bq: int, bk: int) -> tuple[Array, Array, Array]:
+def _flash_forward(
+    c: _Canon, causal: bool, scale: float, bq: int, bk: int, state: tuple[Array, Array] | None = None
+) -> tuple[Array, Array, Array]:
     """Online-softmax forward on a padded canonical layout.
+
+    `state`, if given, is a running `(out f32[B, Sq, Hkv, G, D], lse f32[B, Sq, Hkv, G])`
+    over other keys: the online softmax continues from it, so the result covers both
+    key sets (the ring's merge, with no extra buffers).
 
     **Returns:** `(out f32[B, Sq, Hkv, G, D], lse f32[B, Sq, Hkv, G], computed i32[])`, the
     last the number of (query block, key block) pairs computed (fully masked ones skipped).
     """
-    b, _, hkv, g, d = c.q.shape
+    b, sq, hkv, g, d = c.q.shape
     refs = (c.q, c.k, c.v)
     kv_xs = tuple(_blocks(x, bk) for x in (c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid))
+    if state is None:
+        state = (
+            _vary_like(jnp.zeros((b, sq, hkv, g, d), jnp.float32), *refs),
+            _vary_like(jnp.full((b, sq, hkv, g), -jnp.inf, jnp.float32), *refs),
+        )
 
     def q_block(xs):
-        qi, qp, qs = xs  # [B, bq, Hkv, G, D], i32[B, bq], i32[B, bq]
+        qi, qp, qs, out0, lse0 = xs  # [B, bq, Hkv, G, D], i32[B, bq] x2, running state
 
         def kv_step(carry, ys):
             kj, vj, kp, ks, kval = ys
@@ -227,10 +247,12 @@ def _flash_forward(c: _Canon, causal: bool, scale: float, bq: int, bk: int) -> t
 
             return jax.lax.cond(jnp.any(mask), compute, lambda carry: carry, carry), None
 
+        # The running state as (max, normaliser, unnormalised output): (lse, 1, out).
+        lse0 = jnp.moveaxis(lse0, 1, 3)  # f32[B, Hkv, G, bq]
         init = (
-            _vary_like(jnp.full((b, hkv, g, qi.shape[1]), -jnp.inf, jnp.float32), *refs),
-            _vary_like(jnp.zeros((b, hkv, g, qi.shape[1]), jnp.float32), *refs),
-            _vary_like(jnp.zeros((b, hkv, g, qi.shape[1], d), jnp.float32), *refs),
+            lse0,
+            jnp.where(jnp.isfinite(lse0), 1.0, 0.0),
+            jnp.moveaxis(out0, 1, 3),
             _vary_like(jnp.zeros((), jnp.int32), *refs),
         )
         (m, l, acc, n), _ = jax.lax.scan(kv_step, init, kv_xs)
@@ -240,27 +262,34 @@ def _flash_forward(c: _Canon, causal: bool, scale: float, bq: int, bk: int) -> t
         # -> f32[B, bq, Hkv, G, D], f32[B, bq, Hkv, G]
         return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1), n
 
-    out, lse, n = jax.lax.map(q_block, (_blocks(c.q, bq), _blocks(c.q_pos, bq), _blocks(c.q_seg, bq)))
+    q_xs = tuple(_blocks(x, bq) for x in (c.q, c.q_pos, c.q_seg, *state))
+    out, lse, n = jax.lax.map(q_block, q_xs)
     return _unblocks(out), _unblocks(lse), jnp.sum(n)
 
 
 def _flash_backward(
-    c: _Canon, lse: Array, delta: Array, dout: Array, causal: bool, scale: float, bq: int, bk: int
+    c: _Canon, lse: Array, delta: Array, dout: Array, causal: bool, scale: float, bq: int, bk: int,
+    grads: tuple[Array, Array, Array] | None = None,
 ) -> tuple[Array, Array, Array]:
     """The backward pass of `_flash_forward`, recomputing each block's probabilities.
 
     `lse` (f32[B, Sq, Hkv, G]) normalises the probabilities (the merged log-sum-exp when
     the keys are one part of a larger set); `delta` is `sum(dout * out, -1) - dlse`.
 
+    `grads`, if given, are running f32 `(dq, dk, dv)` the results are added to.
+
     **Returns:** `(dq, dk, dv)` in f32, laid out like `c.q`, `c.k`, `c.v`.
     """
     refs = (c.q, c.k, c.v, dout)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     q_xs = tuple(_blocks(x, bq) for x in (c.q, dout, lse_safe, delta, c.q_pos, c.q_seg))
-    dq0 = _vary_like(jnp.zeros(q_xs[0].shape, jnp.float32), *refs)
+    if grads is None:
+        dq0, dk0, dv0 = (_vary_like(jnp.zeros(x.shape, jnp.float32), *refs) for x in (c.q, c.k, c.v))
+    else:
+        dq0, dk0, dv0 = grads
 
     def kv_block(dq, ys):
-        kj, vj, kp, ks, kval = ys  # [B, bk, Hkv, D] ...
+        kj, vj, kp, ks, kval, dk0, dv0 = ys  # [B, bk, Hkv, D] ...
 
         def q_step(carry, xs):
             (qi, doi, li, di, qp, qs), dqi = xs
@@ -282,12 +311,11 @@ def _flash_backward(
 
             return jax.lax.cond(jnp.any(mask), compute, lambda operand: operand, (carry, dqi))
 
-        zero = _vary_like(jnp.zeros(kj.shape, jnp.float32), *refs)
-        (dk, dv), dq = jax.lax.scan(q_step, (zero, zero), (q_xs, dq))
+        (dk, dv), dq = jax.lax.scan(q_step, (dk0, dv0), (q_xs, dq))
         return dq, (dk, dv)
 
-    kv_xs = tuple(_blocks(x, bk) for x in (c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid))
-    dq, (dk, dv) = jax.lax.scan(kv_block, dq0, kv_xs)
+    kv_xs = tuple(_blocks(x, bk) for x in (c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid, dk0, dv0))
+    dq, (dk, dv) = jax.lax.scan(kv_block, _blocks(dq0, bq), kv_xs)
     return _unblocks(dq), _unblocks(dk), _unblocks(dv)
 
 
@@ -559,3 +587,373 @@ def attention(
     return blockwise_attention(
         q, k, v, causal=causal, scale=scale, q_block_size=block_size, kv_block_size=block_size, **masks
     )[0]
+
+
+# ---------------------------------------------------------------------------
+# Context parallelism: the sequence split over a mesh axis
+
+_LAYOUTS = ("contiguous", "zigzag")
+
+
+def _check_layout(name: str, layout: str) -> None:
+    if layout not in _LAYOUTS:
+        raise LayerConfigError(f"{name}: layout={layout!r}; expected one of {_LAYOUTS}.")
+
+
+def zigzag_indices(seq_len: int, cp: int) -> np.ndarray:
+    """The token order of the zigzag split: which global token goes to each slot.
+
+    The sequence is cut into `2 * cp` equal chunks and device `i` of the `cp` axis
+    holds chunks `i` and `2 * cp - 1 - i`, so under a causal mask every device has the
+    same work. Sharding `x[..., zigzag_indices(S, cp)]` evenly over the axis gives each
+    device its two chunks.
+
+    **Arguments:**
+
+    - `seq_len`: the global sequence length, a multiple of `2 * cp`.
+    - `cp`: the size of the context-parallel axis.
+
+    **Returns:**
+
+    An int array `[seq_len]`: slot `j` holds token `zigzag_indices(S, cp)[j]` (which is
+    also that slot's position).
+    """
+    if cp < 1 or seq_len % (2 * cp):
+        raise LayerConfigError(
+            f"zigzag split: seq_len={seq_len} must be a multiple of 2 * cp = {2 * cp}."
+        )
+    chunks = np.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
+    order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+    return chunks[order].reshape(-1)
+
+
+def zigzag_permute(x: Array, cp: int, *, axis: int = -1) -> Array:
+    """Reorder the sequence axis of `x` into the zigzag split (tokens, positions, labels, masks alike).
+
+    **Arguments:**
+
+    - `x`: a global array (before sharding over the `cp` axis).
+    - `cp`: the size of the context-parallel axis.
+    - `axis`: the sequence axis.
+
+    **Returns:**
+
+    `x` with its sequence axis in `zigzag_indices` order.
+    """
+    return jnp.take(x, jnp.asarray(zigzag_indices(x.shape[axis], cp)), axis=axis)
+
+
+def zigzag_unpermute(x: Array, cp: int, *, axis: int = -1) -> Array:
+    """Undo `zigzag_permute`: the sequence axis back in token order.
+
+    **Arguments:**
+
+    - `x`: a global array in zigzag order.
+    - `cp`: the size of the context-parallel axis.
+    - `axis`: the sequence axis.
+
+    **Returns:**
+
+    `x` with its sequence axis in token order.
+    """
+    inverse = np.argsort(zigzag_indices(x.shape[axis], cp))
+    return jnp.take(x, jnp.asarray(inverse), axis=axis)
+
+
+def context_positions(local_len: int, axis_name: AxisName, *, layout: str = "contiguous") -> Int[Array, " local_len"]:
+    """The global positions of this device's tokens when the sequence is split over `axis_name`.
+
+    Valid inside `shard_map`. `"contiguous"`: device `i` holds tokens
+    `[i * local_len, (i + 1) * local_len)`; `"zigzag"`: the two chunks of
+    `zigzag_indices`.
+
+    **Arguments:**
+
+    - `local_len`: this device's number of tokens.
+    - `axis_name`: the context-parallel mesh axis (or a tuple of axes).
+    - `layout`: `"contiguous"` or `"zigzag"`.
+
+    **Returns:**
+
+    int32 `[local_len]`.
+    """
+    _check_layout("context_positions", layout)
+    n = combined_axis_size(axis_name)
+    i = jax.lax.axis_index(axis_tuple(axis_name))
+    if layout == "contiguous":
+        return i * local_len + jnp.arange(local_len, dtype=jnp.int32)
+    if local_len % 2:
+        raise LayerConfigError(
+            f"context_positions: the zigzag layout needs an even local length, got {local_len}."
+        )
+    c = local_len // 2
+    chunk = jnp.arange(c, dtype=jnp.int32)
+    return jnp.concatenate([i * c + chunk, (2 * n - 1 - i) * c + chunk])
+
+
+def _kv_of(c: _Canon, axis_name) -> tuple[Array, ...]:
+    """The block that travels the ring, typed as varying along the ring's axes (as it arrives)."""
+    return to_varying((c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid), axis_name)
+
+
+def _with_kv(c: _Canon, kv: tuple[Array, ...]) -> _Canon:
+    k, v, kv_pos, kv_seg, kv_valid = kv
+    return c._replace(k=k, v=v, kv_pos=kv_pos, kv_seg=kv_seg, kv_valid=kv_valid)
+
+
+def _ring_forward(c: _Canon, axis_name, causal: bool, scale: float, bq: int, bk: int):
+    """Ring forward: `(out f32, lse f32, computed block pairs i32[])` on this device.
+
+    Step `t` attends to the key/value block of the device `t` places behind; the
+    transfer of the next block is issued before the current block's compute.
+    """
+    n = combined_axis_size(axis_name)
+    refs = (c.q, c.k, c.v)
+    b, sq, hkv, g, d = c.q.shape
+    out = _vary_like(jnp.zeros((b, sq, hkv, g, d), jnp.float32), *refs)
+    lse = _vary_like(jnp.full((b, sq, hkv, g), -jnp.inf, jnp.float32), *refs)
+    count = _vary_like(jnp.zeros((), jnp.int32), *refs)
+    out, lse, count = to_varying((out, lse, count), axis_name)
+
+    def attend(kv, out, lse, count):
+        out, lse, m = _flash_forward(_with_kv(c, kv), causal, scale, bq, bk, (out, lse))
+        return out, lse, count + m
+
+    def step(carry, _):
+        kv, out, lse, count = carry
+        nxt = ring_shift(kv, axis_name, 1)  # block of the device t + 1 places behind
+        out, lse, count = attend(kv, out, lse, count)
+        return (nxt, out, lse, count), None
+
+    (kv, out, lse, count), _ = jax.lax.scan(step, (_kv_of(c, axis_name), out, lse, count), None, length=n - 1)
+    return attend(kv, out, lse, count)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid, axis_name, causal, scale, bq, bk):
+    c = _Canon(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid)
+    return _ring_forward(c, axis_name, causal, scale, bq, bk)[0].astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid, axis_name, causal, scale, bq, bk):
+    c = _Canon(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid)
+    out, lse, _ = _ring_forward(c, axis_name, causal, scale, bq, bk)
+    out = out.astype(q.dtype)
+    return out, (c, out, lse)
+
+
+def _ring_bwd(axis_name, causal, scale, bq, bk, res, dout):
+    """Ring backward: key/value blocks travel as in the forward pass, each with its
+    gradient accumulator, which arrives home after the last step."""
+    c, out, lse = res
+    n = combined_axis_size(axis_name)
+    dout = _vary_like(dout.astype(c.q.dtype), out)
+    delta = _delta(out, lse, dout, None)
+    refs = (c.q, c.k, c.v, dout)
+    dq = _vary_like(jnp.zeros(c.q.shape, jnp.float32), *refs)
+    dkv = (_vary_like(jnp.zeros(c.k.shape, jnp.float32), *refs),) * 2
+
+    def attend(kv, dkv, dq):
+        dq, dk, dv = _flash_backward(_with_kv(c, kv), lse, delta, dout, causal, scale, bq, bk, (dq, *dkv))
+        return (dk, dv), dq
+
+    def step(carry, _):
+        kv, dkv, dq = carry
+        nxt = ring_shift(kv, axis_name, 1)  # issued before this block's compute
+        dkv, dq = attend(kv, dkv, dq)
+        return (nxt, ring_shift(dkv, axis_name, 1), dq), None
+
+    (kv, dkv, dq), _ = jax.lax.scan(step, (_kv_of(c, axis_name), to_varying(dkv, axis_name), to_varying(dq, axis_name)), None, length=n - 1)
+    dkv, dq = attend(kv, dkv, dq)
+    dk, dv = ring_shift(dkv, axis_name, 1)  # the last block's gradients go home
+    grads = tuple(_reduce_to(g.astype(x.dtype), x) for g, x in ((dq, c.q), (dk, c.k), (dv, c.v)))
+    return (*grads, None, None, None, None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout):
+    """Canonical local blocks with global positions (defaults from `layout`)."""
+    _check_layout(name, layout)
+    _check_shapes(name, q, k, v)
+    if q.shape[-3] != k.shape[-3]:
+        raise LayerConfigError(
+            f"{name}: queries and keys must be split alike over {axis_name!r}; got local "
+            f"lengths {q.shape[-3]} (q) and {k.shape[-3]} (k)."
+        )
+    if q_positions is None:
+        q_positions = context_positions(q.shape[-3], axis_name, layout=layout)
+    if kv_positions is None:
+        kv_positions = context_positions(k.shape[-3], axis_name, layout=layout)
+    return _canonical(name, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+
+
+def _ring_blocks(local_len: int, block_size: int, layout: str) -> int:
+    """The kernel's block size on a device: at most one zigzag chunk, so chunks never share a block."""
+    chunk = local_len // 2 if layout == "zigzag" else local_len
+    return max(1, min(block_size, chunk))
+
+
+def ring_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    axis_name: AxisName,
+    *,
+    causal: bool = True,
+    layout: str = "contiguous",
+    q_positions: Int[Array, "..."] | None = None,
+    kv_positions: Int[Array, "..."] | None = None,
+    q_segment_ids: Int[Array, "..."] | None = None,
+    kv_segment_ids: Int[Array, "..."] | None = None,
+    scale: float | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """Attention over a sequence split across `axis_name`: ring attention.
+
+    Valid inside `shard_map`. Each device keeps its query block; the key/value blocks
+    (with their positions and segment ids) travel round the ring with `ppermute`, one
+    step per device, and each is attended to with `blockwise_attention`'s kernel and
+    merged by its log-sum-exp. The transfer of the next block is issued before the
+    current block's compute, so a backend that overlaps can hide it. The backward pass
+    (a custom VJP) rings too: key/value blocks travel with their gradient
+    accumulators, so no device ever holds the whole sequence's keys and values.
+    Fully-masked block pairs are skipped, so with `layout="zigzag"` and a causal mask
+    every device does the same work. See the "Long sequences" guide.
+
+    **Arguments:**
+
+    - `q`: this device's `[..., S/cp, n_heads, head_dim]`.
+    - `k`, `v`: this device's `[..., S/cp, n_kv_heads, head_dim]`.
+    - `axis_name`: the context-parallel mesh axis (or a tuple of axes).
+    - `causal`: mask keys whose position is after the query's.
+    - `layout`: how the sequence is split, when positions are not given:
+      `"contiguous"` (device `i` holds the `i`-th slice) or `"zigzag"` (the tokens
+      were ordered by `zigzag_permute`).
+    - `q_positions`, `kv_positions`: this device's global positions (default
+      `context_positions(S/cp, axis_name, layout=layout)`).
+    - `q_segment_ids`, `kv_segment_ids`: this device's segment ids of packed sequences.
+    - `scale`: the score scale, default `1 / sqrt(head_dim)`.
+    - `block_size`: the kernel's block size (capped at one zigzag chunk).
+
+    **Returns:**
+
+    This device's attention output, `q`'s shape and dtype.
+    """
+    name = "ring_attention"
+    _check_block(name, "block_size", block_size)
+    c = _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
+    bs = _ring_blocks(c.q.shape[1], block_size, layout)
+    out = _run_ring(_padded(c, bs, bs), axis_name, causal, _scale(scale, q.shape[-1]), bs)
+    return out[:, : q.shape[-3]].reshape(q.shape)
+
+
+def _run_ring(c: _Canon, axis_name, causal: bool, scale: float, bs: int) -> Array:
+    out: Any = _ring(*c, axis_name, causal, scale, bs, bs)  # pyright: ignore[reportGeneralTypeIssues]
+    return out
+
+
+def ring_attention_block_pairs(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    axis_name: AxisName,
+    *,
+    causal: bool = True,
+    layout: str = "contiguous",
+    q_positions: Int[Array, "..."] | None = None,
+    kv_positions: Int[Array, "..."] | None = None,
+    q_segment_ids: Int[Array, "..."] | None = None,
+    kv_segment_ids: Int[Array, "..."] | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Int[Array, ""]:
+    """How many (query block, key/value block) pairs `ring_attention`'s forward pass computes here.
+
+    Runs the same ring as `ring_attention` with the same arguments and returns the
+    kernel's count of block pairs it computed on this device (fully-masked pairs
+    skipped): the per-device work, to compare the contiguous and zigzag layouts.
+
+    **Arguments:**
+
+    As `ring_attention` (without `scale`).
+
+    **Returns:**
+
+    An int32 scalar, this device's count.
+    """
+    name = "ring_attention_block_pairs"
+    c = _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
+    bs = _ring_blocks(c.q.shape[1], block_size, layout)
+    return _ring_forward(_padded(c, bs, bs), axis_name, causal, 1.0, bs, bs)[2]
+
+
+def alltoall_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    axis_name: AxisName,
+    *,
+    causal: bool = True,
+    layout: str = "contiguous",
+    q_positions: Int[Array, "..."] | None = None,
+    kv_positions: Int[Array, "..."] | None = None,
+    q_segment_ids: Int[Array, "..."] | None = None,
+    kv_segment_ids: Int[Array, "..."] | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    blockwise_threshold: int = BLOCKWISE_THRESHOLD,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """Attention over a sequence split across `axis_name` by all-to-alls (Ulysses).
+
+    Valid inside `shard_map`. An all-to-all turns the sequence split into a head split
+    (`[S/cp, H]` → `[S, H/cp]`), each device attends over the whole sequence for its
+    heads with `attention` (cuDNN, dense or blockwise), and a second all-to-all turns
+    it back. Needs `n_heads` divisible by the axis size; key/value heads that do not
+    divide are repeated to the least multiple that does. Positions and segment ids are
+    all-gathered (small integer arrays). See the "Long sequences" guide.
+
+    **Arguments:**
+
+    As `ring_attention`, and `implementation`, `blockwise_threshold` as `attention`.
+
+    **Returns:**
+
+    This device's attention output, `q`'s shape and dtype.
+    """
+    name = "alltoall_attention"
+    _check_layout(name, layout)
+    _check_shapes(name, q, k, v)
+    n = combined_axis_size(axis_name)
+    axes = axis_tuple(axis_name)
+    n_heads, n_kv = q.shape[-2], k.shape[-2]
+    if n_heads % n:
+        raise LayerConfigError(
+            f"{name}: n_heads={n_heads} is not divisible by the size {n} of axis {axis_name!r}; "
+            "use ring_attention."
+        )
+    wide = math.lcm(n_kv, n)
+    if wide != n_kv:  # repeat each key/value head so the heads split evenly
+        k, v = jnp.repeat(k, wide // n_kv, axis=-2), jnp.repeat(v, wide // n_kv, axis=-2)
+    seq_axis, head_axis = q.ndim - 3, q.ndim - 2
+    default = all(x is None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids))
+
+    def gather(x):  # i32[..., S/cp] -> i32[..., S]
+        return None if x is None else jax.lax.all_gather(x, axes, axis=x.ndim - 1, tiled=True)
+
+    if not (default and layout == "contiguous"):
+        if q_positions is None:
+            q_positions = context_positions(q.shape[-3], axis_name, layout=layout)
+        if kv_positions is None:
+            kv_positions = context_positions(k.shape[-3], axis_name, layout=layout)
+    # f32[..., S/cp, H, D] -> f32[..., S, H/cp, D]
+    q, k, v = (jax.lax.all_to_all(x, axes, head_axis, seq_axis, tiled=True) for x in (q, k, v))
+    out = attention(
+        q, k, v, causal=causal, scale=scale, implementation=implementation, block_size=block_size,
+        blockwise_threshold=blockwise_threshold, q_positions=gather(q_positions),
+        kv_positions=gather(kv_positions), q_segment_ids=gather(q_segment_ids),
+        kv_segment_ids=gather(kv_segment_ids),
+    )  # fmt: skip
+    # f32[..., S, H/cp, D] -> f32[..., S/cp, H, D]
+    return jax.lax.all_to_all(out, axes, seq_axis, head_axis, tiled=True)
