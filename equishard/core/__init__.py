@@ -70,6 +70,11 @@ from ._pipeline import (
     pipeline_schedule as pipeline_schedule,
     schedule_report as schedule_report,
 )
+from ._random import (
+    bernoulli_block as bernoulli_block,
+    example_keys as example_keys,
+    global_index as global_index,
+)
 
 _MOVED_TO_REPORT = (
     "COLLECTIVE_KINDS",

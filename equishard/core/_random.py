@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Int, Key, PRNGKeyArray
 
 from ._collectives import AxisName, axis_tuple, combined_axis_size
 
@@ -40,7 +40,7 @@ def global_index(size: int, axis_name: AxisName | None = None) -> Int[Array, " s
     return jax.lax.axis_index(axis_tuple(axis_name)).astype(jnp.int32) * size + local
 
 
-def example_keys(key: PRNGKeyArray, index: Int[Array, " batch"]) -> PRNGKeyArray:
+def example_keys(key: PRNGKeyArray, index: Int[Array, " batch"]) -> Key[Array, " batch"]:
     """One key per example, from its global index: `fold_in(key, index[b])`.
 
     The same example gets the same key on one device and on any mesh, in any

@@ -17,6 +17,7 @@ from ._transformer import (
 )
 from ._fsdp import (
     FSDP as FSDP,
+    fsdp_wrap as fsdp_wrap,
     fsdp_gather_params as fsdp_gather_params,
     gather_params as gather_params,
     shard_module_params as shard_module_params,

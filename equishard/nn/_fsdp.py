@@ -18,6 +18,10 @@ backward pass sends nothing but the FSDP gathers.
 
 from __future__ import annotations
 
+import math
+import re
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -30,8 +34,14 @@ from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..sharding._box import Sharded, is_sharded
 from ..core._gather import check_local_loss_convention
-from ..sharding._fsdp import AutoSharded, _bound_axis_size, fsdp_split_params, shard_params
-from ..sharding._specs import is_array_like
+from ..sharding._fsdp import (
+    DEFAULT_MIN_WEIGHT_SIZE,
+    AutoSharded,
+    _bound_axis_size,
+    fsdp_split_params,
+    shard_params,
+)
+from ..sharding._specs import is_array_like, path_str, spec_axes
 
 def _check_dtype(name: str, dtype: Any) -> None:
     if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
@@ -296,7 +306,8 @@ class FSDP(eqx.Module):
     - `module`: the module (a plain one or one of equishard's layers).
     - `axis_name`: the data axis to split parameters over.
     - `min_weight_size`: arrays with fewer elements stay replicated (equishard's rule,
-      `fsdp_split_params`: global sizes, ties to the earlier dimension).
+      `fsdp_split_params`: global sizes, ties to the earlier dimension). A warning
+      says when that leaves half of the module's parameter bytes or more replicated.
     - `gather_dtype`, `grad_scatter_dtype`: mixed precision of the gathers and of the
       gradient reduce-scatters (see `fsdp_gather_params`).
     - `regather`: gather the parameters again in the backward pass instead of saving
@@ -324,7 +335,7 @@ class FSDP(eqx.Module):
         module: PyTree,
         axis_name: str = "fsdp",
         *,
-        min_weight_size: int = 2**18,
+        min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
         gather_dtype: Any = None,
         grad_scatter_dtype: Any = None,
         regather: bool = True,
@@ -338,6 +349,8 @@ class FSDP(eqx.Module):
             raise LayerConfigError(f"FSDP: split_rule must be 'fsdp' or 'xlstm', got {split_rule!r}.")
         split = fsdp_split_params if split_rule == "fsdp" else shard_params
         self.module = split(module, axis_name, min_weight_size, mesh=mesh)
+        if split_rule == "fsdp":
+            _warn_if_little_is_split(self.module, axis_name, min_weight_size)
         self.axis_name = axis_name
         self.gather_dtype = gather_dtype
         self.grad_scatter_dtype = grad_scatter_dtype
@@ -407,3 +420,120 @@ def shard_module_params(
         split_rule="xlstm",
         mesh=mesh,
     )
+
+
+def _split_fraction(module: PyTree, axis_name: str) -> tuple[int, int]:
+    """`(split, total)`: parameter bytes split over `axis_name`, and all of them."""
+    split = total = 0
+    for leaf in jax.tree.leaves(module, is_leaf=is_sharded):
+        value = leaf.value if is_sharded(leaf) else leaf
+        if not is_array_like(value):
+            continue
+        shape = leaf.shape if is_sharded(leaf) else tuple(value.shape)
+        size = math.prod(shape) * value.dtype.itemsize
+        total += size
+        if is_sharded(leaf) and axis_name in spec_axes(leaf.spec):
+            split += size
+    return split, total
+
+
+def _warn_if_little_is_split(module: PyTree, axis_name: str, min_weight_size: int) -> None:
+    split, total = _split_fraction(module, axis_name)
+    if total and split < total / 2:
+        warnings.warn(
+            f"FSDP over {axis_name!r} splits {split} of the {total} parameter bytes of "
+            f"{type(module).__name__} (min_weight_size={min_weight_size}); the rest stays "
+            f"replicated on every device. Lower min_weight_size, or check that the "
+            f"arrays' dimensions divide by the axis size.",
+            stacklevel=3,
+        )
+
+
+WrapPolicy = type | tuple[type, ...] | str | Callable[[str, Any], bool]
+
+
+def _policy_matcher(policy: WrapPolicy) -> Callable[[str, Any], bool]:
+    if isinstance(policy, str):
+        pattern = re.compile(policy)
+        return lambda path, node: isinstance(node, eqx.Module) and bool(pattern.search(path))
+    if isinstance(policy, type) or (
+        isinstance(policy, tuple) and all(isinstance(t, type) for t in policy)
+    ):
+        return lambda path, node: isinstance(node, policy)
+    if callable(policy):
+        return policy
+    raise LayerConfigError(
+        f"fsdp_wrap: policy must be a class, a tuple of classes, a path pattern or a "
+        f"function (path, module) -> bool, got {policy!r}."
+    )
+
+
+def fsdp_wrap(
+    model: PyTree,
+    axis_name: str = "fsdp",
+    *,
+    policy: WrapPolicy,
+    min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
+    mesh: Mesh | AbstractMesh | None = None,
+    **fsdp_options: Any,
+) -> PyTree:
+    """Wrap the sub-modules of `model` that `policy` selects in `FSDP` units.
+
+    PyTorch FSDP's auto-wrap for Equinox: each selected module (the outermost match;
+    nothing inside it is wrapped again) becomes one FSDP unit, whose parameters are
+    gathered just before its call and freed after it. Wrap the repeated blocks of a
+    model, one unit each, so that one block's parameters are whole at a time:
+
+    ```python
+    model = es.nn.fsdp_wrap(model, "fsdp", policy=TransformerBlock, mesh=mesh)
+    ```
+
+    The arrays outside every unit (an embedding, a head) are not split: give them specs
+    with path rules, or wrap the model's root too (`policy=lambda path, m: path == ""`
+    wraps the whole model as one unit). See the "Your own model" guide.
+
+    **Arguments:**
+
+    - `model`: any pytree of Equinox modules (a plain model too).
+    - `axis_name`: the data axis to split parameters over.
+    - `policy`: which modules become units: a class or a tuple of classes
+      (`isinstance`), a regular expression searched in the module's path
+      (`r"blocks\\[\\d+\\]"`), or a function `(path, module) -> bool`. Paths are written
+      as `blocks[3].attention`; the root's path is `""`.
+    - `min_weight_size`: arrays with fewer elements stay replicated (see `FSDP`).
+    - `mesh`: outside `shard_map`, the mesh (see `FSDP`).
+    - `fsdp_options`: further `FSDP` options (`regather`, `gather_dtype`, ...).
+
+    **Returns:**
+
+    `model` with the selected modules wrapped.
+
+    **Raises:**
+
+    `LayerConfigError` if the policy selects nothing.
+    """
+    matches = _policy_matcher(policy)
+    wrapped: list[str] = []
+
+    def visit(node: Any, prefix: str) -> Any:
+        if matches(prefix, node):
+            wrapped.append(prefix)
+            return FSDP(node, axis_name, min_weight_size=min_weight_size, mesh=mesh, **fsdp_options)
+        children, treedef = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
+        )
+        if len(children) == 1 and children[0][1] is node:
+            return node
+        out = []
+        for path, child in children:
+            name = path_str(path)
+            joined = name if not prefix else prefix + ("" if name.startswith("[") else ".") + name
+            out.append(visit(child, joined) if isinstance(child, eqx.Module) else child)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    result = visit(model, "")
+    if not wrapped:
+        raise LayerConfigError(
+            f"fsdp_wrap: policy {policy!r} selects no module of {type(model).__name__}."
+        )
+    return result

@@ -26,6 +26,11 @@ from ._specs import describe_mesh, is_array_like, path_str, spec_axes
 
 logger = logging.getLogger("equishard")
 
+DEFAULT_MIN_WEIGHT_SIZE = 2**10
+"""The default `min_weight_size` of `fsdp_split_params`, `FSDP`, `fsdp_wrap` and
+`Layout`: arrays of fewer elements (norm scales, biases) stay replicated. Small, so that
+FSDP splits a small model too; xLSTM-JAX's `shard_params` keeps its own 2**18."""
+
 
 class AutoSharded(Sharded):
     """A `Sharded` box that equishard put around an array that had none.
@@ -158,7 +163,7 @@ def _split_tree(params: PyTree, axis_name: str, min_weight_size: int, mesh: Any,
 def fsdp_split_params(
     params: PyTree,
     axis_name: str,
-    min_weight_size: int = 2**18,
+    min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
     *,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> PyTree:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._errors import MeshError
 from ._mesh import make_mesh, parse_layout
+from ._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 
 AXES = ("dp", "fsdp", "tp", "ep", "pp")
 """The axis names a layout may use: data, fully-sharded data, tensor, expert, pipeline."""
@@ -52,7 +53,7 @@ class Parallelism:
     num_microbatches: int = 1
     pipeline_repeats: int = 1
     sequence_parallel: bool = False
-    fsdp_min_weight_size: int = 2**10
+    fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
 
     def size(self, axis: str | None) -> int:
         """The size of `axis` (1 if absent)."""
@@ -80,7 +81,7 @@ class Layout:
     sequence_parallel: bool = False
     num_microbatches: int | None = None
     pipeline_repeats: int = 1
-    fsdp_min_weight_size: int = 2**10
+    fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
 
     def axes(self, num_devices: int | None = None) -> dict[str, int]:
         """The axes and their sizes, validated (see `parse_layout`)."""

@@ -1,0 +1,219 @@
+"""A user's own model, written in plain Equinox, trained by equishard unchanged.
+
+The model below is what a researcher writes without equishard: Llama-style blocks
+(`eqx.nn.Linear` attention with grouped-query heads, rotary embeddings, SwiGLU,
+`eqx.nn.Dropout` on the attention weights and the residual, an untied head). Every
+layout must give the one-device losses: data parallel and FSDP, with dropout on and
+with micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import equishard as es
+from equishard.core import example_keys
+from equishard.train import init_train_state, make_train_step
+
+from .helpers import rel_err
+
+VOCAB, DIM, HEADS, KV_HEADS, FF, LAYERS = 64, 64, 4, 2, 128, 2
+BATCH, SEQ, STEPS = 16, 16, 10
+
+
+def rope(x):
+    """Rotary position embedding of `x: f32[S, H, h]`."""
+    seq, _, h = x.shape
+    freqs = 1.0 / (10000.0 ** (jnp.arange(0, h, 2) / h))
+    angles = jnp.arange(seq)[:, None] * freqs[None, :]  # [S, h/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class Attention(eqx.Module):
+    wq: eqx.nn.Linear
+    wk: eqx.nn.Linear
+    wv: eqx.nn.Linear
+    wo: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+
+    def __init__(self, dim, n_heads, n_kv_heads, *, key):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        head = dim // n_heads
+        self.wq = eqx.nn.Linear(dim, n_heads * head, use_bias=False, key=kq)
+        self.wk = eqx.nn.Linear(dim, n_kv_heads * head, use_bias=False, key=kk)
+        self.wv = eqx.nn.Linear(dim, n_kv_heads * head, use_bias=False, key=kv)
+        self.wo = eqx.nn.Linear(n_heads * head, dim, use_bias=False, key=ko)
+        self.dropout = eqx.nn.Dropout(0.1)
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+
+    def __call__(self, x, *, key):  # x: f32[S, D], one example
+        seq = x.shape[0]
+        head = self.wq.out_features // self.n_heads
+        q = rope(jax.vmap(self.wq)(x).reshape(seq, self.n_heads, head))
+        k = rope(jax.vmap(self.wk)(x).reshape(seq, self.n_kv_heads, head))
+        v = jax.vmap(self.wv)(x).reshape(seq, self.n_kv_heads, head)
+        k = jnp.repeat(k, self.n_heads // self.n_kv_heads, axis=1)
+        v = jnp.repeat(v, self.n_heads // self.n_kv_heads, axis=1)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(head)
+        causal = jnp.tril(jnp.ones((seq, seq), bool))[None]
+        weights = self.dropout(jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1), key=key)
+        return jax.vmap(self.wo)(jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, -1))
+
+
+class Block(eqx.Module):
+    attn_norm: eqx.nn.RMSNorm
+    attn: Attention
+    mlp_norm: eqx.nn.RMSNorm
+    w1: eqx.nn.Linear
+    w2: eqx.nn.Linear
+    w3: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, *, key):
+        ka, k1, k2, k3 = jax.random.split(key, 4)
+        self.attn_norm, self.mlp_norm = eqx.nn.RMSNorm(DIM), eqx.nn.RMSNorm(DIM)
+        self.attn = Attention(DIM, HEADS, KV_HEADS, key=ka)
+        self.w1 = eqx.nn.Linear(DIM, FF, use_bias=False, key=k1)
+        self.w2 = eqx.nn.Linear(FF, DIM, use_bias=False, key=k2)
+        self.w3 = eqx.nn.Linear(DIM, FF, use_bias=False, key=k3)
+        self.dropout = eqx.nn.Dropout(0.1)
+
+    def __call__(self, x, *, key):
+        ka, kd = jax.random.split(key)
+        x = x + self.attn(jax.vmap(self.attn_norm)(x), key=ka)
+        h = jax.vmap(self.mlp_norm)(x)
+        gated = jax.nn.silu(jax.vmap(self.w1)(h)) * jax.vmap(self.w3)(h)
+        return x + self.dropout(jax.vmap(self.w2)(gated), key=kd)
+
+
+class Llama(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: list
+    norm: eqx.nn.RMSNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        ke, kb, kh = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=ke)
+        self.blocks = [Block(key=k) for k in jax.random.split(kb, LAYERS)]
+        self.norm = eqx.nn.RMSNorm(DIM)
+        self.head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=kh)
+
+    def __call__(self, tokens, *, key):  # int[S] -> f32[S, V]
+        x = jax.vmap(self.embed)(tokens)
+        for block, k in zip(self.blocks, jax.random.split(key, len(self.blocks))):
+            x = block(x, key=k)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+# ---------------------------------------------------------------------------
+
+
+def loss_for(data_axes):
+    """The loss a user writes: per-example keys from the global example indices."""
+
+    def loss_fn(model, batch, key, *, index):
+        keys = example_keys(key, index)  # one key per global example
+        logits = jax.vmap(model)(batch[:, :-1], key=keys)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        return jax.lax.pmean(ce, data_axes), {}
+
+    return loss_fn
+
+
+def fsdp_policy(path, module):
+    """One FSDP unit per block, and the embedding and the head each one too."""
+    return isinstance(module, Block) or path in ("embed", "head")
+
+
+@functools.cache
+def _batches():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB, (BATCH, SEQ + 1), dtype=np.int32) for _ in range(STEPS)]
+
+
+def _train(layout, *, grad_accum=1, optimizer=None):
+    mesh = es.make_mesh(layout)
+    axes = tuple(mesh.axis_names)
+    optimizer = optimizer or optax.adamw(3e-3)
+    make = lambda k: Llama(key=k)  # noqa: E731
+    if "fsdp" in axes:
+        make = lambda k: es.nn.fsdp_wrap(Llama(key=k), "fsdp", policy=fsdp_policy)  # noqa: E731
+    state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
+    data = tuple(a for a in axes if a in ("dp", "fsdp"))
+    step = make_train_step(loss_for(data), optimizer, mesh=mesh, batch_spec=P(data), grad_accum=grad_accum)
+    losses = []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@functools.cache
+def _reference():
+    return _train("dp=1")
+
+
+@pytest.mark.parametrize("layout", ["dp=8", "fsdp=8"])
+def test_a_plain_model_with_dropout_and_micro_batches_trains_as_on_one_device(layout):
+    _, reference = _reference()
+    _, losses = _train(layout, grad_accum=2)
+    assert reference[-1] < reference[0]  # it learns
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert rel_err(a, b) <= 1e-6, (layout, step, a, b)
+
+
+def test_dropout_keys_belong_to_the_example():
+    """The keys of the examples a device holds are the one-device keys of those
+    examples: the mask of example 5 is the same on one device and on dp=8."""
+    key = jax.random.key(3)
+    mesh = es.make_mesh("dp=8")
+    local = es.filter_shard_map(
+        lambda x: jax.random.key_data(example_keys(key, es.core.global_index(x.shape[0], "dp"))),
+        mesh=mesh,
+        in_specs=P("dp"),
+        out_specs=P("dp"),
+    )(jnp.zeros((16,)))
+    one = jax.random.key_data(example_keys(key, jnp.arange(16)))
+    np.testing.assert_array_equal(np.asarray(local), np.asarray(one))
+
+
+def test_fsdp_splits_most_of_a_plain_models_bytes_by_default():
+    mesh = es.make_mesh("fsdp=8")
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        model = es.nn.fsdp_wrap(Llama(key=jax.random.key(0)), "fsdp", policy=fsdp_policy)
+    split = total = 0
+    for leaf in jax.tree.leaves(model, is_leaf=es.is_sharded):
+        value = leaf.value if es.is_sharded(leaf) else leaf
+        if eqx.is_array(value):
+            total += value.nbytes
+            split += value.nbytes if es.is_sharded(leaf) and "fsdp" in str(leaf.spec) else 0
+    assert split >= 0.9 * total, (split, total)
+
+
+def test_fsdp_warns_when_it_leaves_most_bytes_replicated():
+    mesh = es.make_mesh("fsdp=8")
+    with pytest.warns(UserWarning, match="splits 0 of the"):
+        es.nn.FSDP(eqx.nn.Linear(4, 4, key=jax.random.key(0)), "fsdp", mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        es.nn.FSDP(eqx.nn.Linear(64, 64, key=jax.random.key(0)), "fsdp", mesh=mesh)
+
+
+def test_fsdp_wrap_refuses_a_policy_that_selects_nothing():
+    with pytest.raises(es.LayerConfigError, match="selects no module"):
+        es.nn.fsdp_wrap(Llama(key=jax.random.key(0)), "fsdp", policy=eqx.nn.Conv1d, mesh=es.make_mesh("fsdp=8"))
