@@ -446,3 +446,35 @@ def test_context_parallel_misconfiguration():
         zigzag_indices(20, 4)
     with pytest.raises(es.LayerConfigError, match="layout='zig'"):
         jax.jit(jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "cp", layout="zig"), mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC))(q, k, v)
+
+
+def ring_temp_bytes(cp: int, *, seq: int, heads: int, kv_heads: int, head_dim: int, block: int) -> int:
+    """Per-device temporaries of a compiled ring-attention forward+backward program."""
+    mesh = es.make_mesh(f"cp={cp}")
+    fn = jax.shard_map(
+        lambda q, k, v: ring_attention(q, k, v, "cp", block_size=block),
+        mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC,
+    )  # fmt: skip
+
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out * out)
+
+    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), jnp.float32)
+    stats = memory_stats(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile())
+    assert stats is not None
+    return stats.temp_bytes
+
+
+def test_ring_memory_scales_with_one_over_cp():
+    # S = 4096, 8 query heads and 1 key/value head of 64, blocks of 32. The formula:
+    # the cp = 1 temporaries divided by cp, plus the two blocks in flight on the ring (the
+    # next K and V, each f32[S/cp, kv_heads, head_dim]) when cp > 1.
+    shape = dict(seq=4096, heads=8, kv_heads=1, head_dim=64, block=32)
+    temps = {cp: ring_temp_bytes(cp, **shape) for cp in (1, 2, 4, 8)}
+    for cp, measured in temps.items():
+        in_flight = 2 * (4096 // cp) * 1 * 64 * 4 if cp > 1 else 0
+        formula = temps[1] / cp + in_flight
+        assert abs(measured - formula) <= 0.15 * formula, (cp, measured, formula)
+    assert temps[4] <= 0.45 * temps[1], temps

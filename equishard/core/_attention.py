@@ -203,14 +203,26 @@ def _unblocks(x: Array) -> Array:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
+def _rows(x: Array, start: Array, size: int) -> Array:
+    """`x[:, start:start + size]` for a traced `start` (a view of one block, no copy of `x`)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _set_rows(x: Array, block: Array, start: Array) -> Array:
+    """`x` with `x[:, start:start + len(block)] = block` (in place in the compiled loop)."""
+    return jax.lax.dynamic_update_slice_in_dim(x, block, start, axis=1)
+
+
 def _flash_forward(
     c: _Canon, causal: bool, scale: float, bq: int, bk: int, state: tuple[Array, Array] | None = None
 ) -> tuple[Array, Array, Array]:
     """Online-softmax forward on a padded canonical layout.
 
-    `state`, if given, is a running `(out f32[B, Sq, Hkv, G, D], lse f32[B, Sq, Hkv, G])`
-    over other keys: the online softmax continues from it, so the result covers both
-    key sets (the ring's merge, with no extra buffers).
+    A loop over query blocks, each looping over the key/value blocks; the output is
+    written block by block into one buffer. `state`, if given, is a running
+    `(out f32[B, Sq, Hkv, G, D], lse f32[B, Sq, Hkv, G])` over other keys: the online
+    softmax continues from it, so the result covers both key sets (the ring's merge,
+    with no extra buffers).
 
     **Returns:** `(out f32[B, Sq, Hkv, G, D], lse f32[B, Sq, Hkv, G], computed i32[])`, the
     last the number of (query block, key block) pairs computed (fully masked ones skipped).
@@ -224,8 +236,10 @@ def _flash_forward(
             _vary_like(jnp.full((b, sq, hkv, g), -jnp.inf, jnp.float32), *refs),
         )
 
-    def q_block(xs):
-        qi, qp, qs, out0, lse0 = xs  # [B, bq, Hkv, G, D], i32[B, bq] x2, running state
+    def q_block(i, carry):
+        out, lse, n = carry
+        start = i * bq
+        qi, qp, qs = _rows(c.q, start, bq), _rows(c.q_pos, start, bq), _rows(c.q_seg, start, bq)
 
         def kv_step(carry, ys):
             kj, vj, kp, ks, kval = ys
@@ -248,23 +262,17 @@ def _flash_forward(
             return jax.lax.cond(jnp.any(mask), compute, lambda carry: carry, carry), None
 
         # The running state as (max, normaliser, unnormalised output): (lse, 1, out).
-        lse0 = jnp.moveaxis(lse0, 1, 3)  # f32[B, Hkv, G, bq]
-        init = (
-            lse0,
-            jnp.where(jnp.isfinite(lse0), 1.0, 0.0),
-            jnp.moveaxis(out0, 1, 3),
-            _vary_like(jnp.zeros((), jnp.int32), *refs),
-        )
+        lse0 = jnp.moveaxis(_rows(lse, start, bq), 1, 3)  # f32[B, Hkv, G, bq]
+        init = (lse0, jnp.where(jnp.isfinite(lse0), 1.0, 0.0), jnp.moveaxis(_rows(out, start, bq), 1, 3), n)
         (m, l, acc, n), _ = jax.lax.scan(kv_step, init, kv_xs)
         ok = l > 0
-        out = acc / jnp.where(ok, l, 1.0)[..., None]
-        lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
-        # -> f32[B, bq, Hkv, G, D], f32[B, bq, Hkv, G]
-        return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1), n
+        acc = acc / jnp.where(ok, l, 1.0)[..., None]
+        m = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+        # f32[B, Hkv, G, bq(, D)] -> rows [start, start + bq) of f32[B, Sq, Hkv, G(, D)]
+        return _set_rows(out, jnp.moveaxis(acc, 3, 1), start), _set_rows(lse, jnp.moveaxis(m, 3, 1), start), n
 
-    q_xs = tuple(_blocks(x, bq) for x in (c.q, c.q_pos, c.q_seg, *state))
-    out, lse, n = jax.lax.map(q_block, q_xs)
-    return _unblocks(out), _unblocks(lse), jnp.sum(n)
+    n0 = _vary_like(jnp.zeros((), jnp.int32), *refs, *state)
+    return jax.lax.fori_loop(0, sq // bq, q_block, (*state, n0))
 
 
 def _flash_backward(
@@ -275,48 +283,52 @@ def _flash_backward(
 
     `lse` (f32[B, Sq, Hkv, G]) normalises the probabilities (the merged log-sum-exp when
     the keys are one part of a larger set); `delta` is `sum(dout * out, -1) - dlse`.
-
-    `grads`, if given, are running f32 `(dq, dk, dv)` the results are added to.
+    A loop over key/value blocks, each looping over the query blocks; the gradients are
+    accumulated block by block in place. `grads`, if given, are running f32
+    `(dq, dk, dv)` the results are added to.
 
     **Returns:** `(dq, dk, dv)` in f32, laid out like `c.q`, `c.k`, `c.v`.
     """
     refs = (c.q, c.k, c.v, dout)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    q_xs = tuple(_blocks(x, bq) for x in (c.q, dout, lse_safe, delta, c.q_pos, c.q_seg))
     if grads is None:
         dq0, dk0, dv0 = (_vary_like(jnp.zeros(x.shape, jnp.float32), *refs) for x in (c.q, c.k, c.v))
-    else:
-        dq0, dk0, dv0 = grads
+        grads = (dq0, dk0, dv0)
 
-    def kv_block(dq, ys):
-        kj, vj, kp, ks, kval, dk0, dv0 = ys  # [B, bk, Hkv, D] ...
+    def kv_block(j, carry):
+        dq, dk, dv = carry
+        kstart = j * bk
+        kj, vj = _rows(c.k, kstart, bk), _rows(c.v, kstart, bk)  # [B, bk, Hkv, D]
+        kp, ks, kval = (_rows(x, kstart, bk) for x in (c.kv_pos, c.kv_seg, c.kv_valid))
 
-        def q_step(carry, xs):
-            (qi, doi, li, di, qp, qs), dqi = xs
-            mask = _mask(qp, kp, qs, ks, kval, causal)  # bool[B, bq, bk]
+        def q_block(i, carry):
+            dq, dkj, dvj = carry
+            start = i * bq
+            qi, doi = _rows(c.q, start, bq), _rows(dout, start, bq)  # [B, bq, Hkv, G, D]
+            li, di = (jnp.moveaxis(_rows(x, start, bq), 1, 3) for x in (lse_safe, delta))  # f32[B, Hkv, G, bq]
+            mask = _mask(_rows(c.q_pos, start, bq), kp, _rows(c.q_seg, start, bq), ks, kval, causal)
 
             def compute(operand):
-                (dk, dv), dqi = operand
+                dqi, dkj, dvj = operand
                 # f32[B, Hkv, G, bq, bk]
                 s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * scale
-                li_, di_ = jnp.moveaxis(li, 1, 3), jnp.moveaxis(di, 1, 3)  # f32[B, Hkv, G, bq]
-                p = jnp.where(mask[:, None, None], jnp.exp(s - li_[..., None]), 0.0)
+                p = jnp.where(mask[:, None, None], jnp.exp(s - li[..., None]), 0.0)
                 # f32[B, Hkv, G, bq, bk] x [B, bq, Hkv, G, D] -> f32[B, bk, Hkv, D]
-                dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+                dvj = dvj + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
                 dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
-                ds = p * (dp - di_[..., None]) * scale
+                ds = p * (dp - di[..., None]) * scale
                 dqi = dqi + jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32)
-                dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
-                return (dk, dv), dqi
+                dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+                return dqi, dkj, dvj
 
-            return jax.lax.cond(jnp.any(mask), compute, lambda operand: operand, (carry, dqi))
+            dqi, dkj, dvj = jax.lax.cond(jnp.any(mask), compute, lambda o: o, (_rows(dq, start, bq), dkj, dvj))
+            return _set_rows(dq, dqi, start), dkj, dvj
 
-        (dk, dv), dq = jax.lax.scan(q_step, (dk0, dv0), (q_xs, dq))
-        return dq, (dk, dv)
+        dq, dkj, dvj = jax.lax.fori_loop(0, c.q.shape[1] // bq, q_block, (dq, _rows(dk, kstart, bk), _rows(dv, kstart, bk)))
+        return dq, _set_rows(dk, dkj, kstart), _set_rows(dv, dvj, kstart)
 
-    kv_xs = tuple(_blocks(x, bk) for x in (c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid, dk0, dv0))
-    dq, (dk, dv) = jax.lax.scan(kv_block, _blocks(dq0, bq), kv_xs)
-    return _unblocks(dq), _unblocks(dk), _unblocks(dv)
+    dq, dk, dv = jax.lax.fori_loop(0, c.k.shape[1] // bk, kv_block, grads)
+    return dq, dk, dv
 
 
 def _delta(out: Array, lse: Array, dout: Array, dlse: Array | None) -> Array:
