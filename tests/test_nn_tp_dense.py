@@ -42,6 +42,12 @@ def test_wrapper_built_inside_shard_map_equals_built_outside():
     w = np.asarray(same.module.weight.value)
     np.testing.assert_array_equal(w[0], w[1])
     split = ModelParallelismWrapper(lambda key: eqx.nn.Linear(D, 4, key=key), "tp", axis_size=4, key=key)
+    # The xLSTM library's order and names build the same wrapper.
+    reference_order = ModelParallelismWrapper(
+        model_axis_name="tp", module_fn=lambda key: eqx.nn.Linear(D, 4, key=key), axis_size=4, key=key
+    )
+    assert_tree_allclose(reference_order, split)
+    assert_tree_allclose(ModelParallelismWrapper("tp", lambda key: eqx.nn.Linear(D, 4, key=key), axis_size=4, key=key), split)
     assert not np.array_equal(np.asarray(split.module.weight.value)[0], np.asarray(split.module.weight.value)[1])
 
 

@@ -258,7 +258,7 @@ class GPT(eqx.Module):
         axes = par.axes
         self.embed = ParallelEmbedding(
             config.vocab_size, config.d_model, axis_name=TP, partition="vocab",
-            sequence_parallel=sp, init_type="normal", key=ekey,
+            sequence_parallel=sp, init_type="normal", normal_std=0.02, key=ekey,
         )  # fmt: skip
         num_units = config.n_layers // max(config.moe_every, 1)
 

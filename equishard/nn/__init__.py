@@ -3,7 +3,14 @@
 from ._moe import MoE as MoE, MoEAux as MoEAux
 from ._cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from ._embedding import ParallelEmbedding as ParallelEmbedding
-from ._init import INIT_TYPES as INIT_TYPES, InitType as InitType, init_bias as init_bias, init_weight as init_weight, scale_init as scale_init
+from ._init import (
+    INIT_TYPES as INIT_TYPES,
+    InitType as InitType,
+    init_bias as init_bias,
+    init_weight as init_weight,
+    initialize_model_parallel_affine_weight_ as initialize_model_parallel_affine_weight_,
+    scale_init as scale_init,
+)
 from ._linear import ColumnParallelLinear as ColumnParallelLinear, RowParallelLinear as RowParallelLinear
 from ._tp_dense import Dense as Dense, TPAsyncDense as TPAsyncDense, TPDense as TPDense
 from ._wrapper import ModelParallelismWrapper as ModelParallelismWrapper

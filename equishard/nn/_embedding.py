@@ -14,7 +14,7 @@ from .._errors import LayerConfigError
 from ..core import mp_gather, mp_reduce, mp_scatter
 from ..sharding import Sharded
 from ._init import axis_size, check_choice, check_divisible, check_init_type, check_positive, init_weight, value_of
-from ._linear import is_bound, scatter_tokens
+from ._linear import is_bound, lora_scale, master_of, scatter_tokens
 
 
 class ParallelEmbedding(eqx.Module):
@@ -36,10 +36,21 @@ class ParallelEmbedding(eqx.Module):
     `torch.nn.Embedding`). The PyTorch options `max_norm`, `norm_type`,
     `scale_grad_by_freq` and `sparse` have no equivalent here.
 
-    Fields: `weight` (`Sharded`; spec `P(None, axis)` or `P(axis, None)`).
+    With `lora_rank`, a low-rank update is added as the PyTorch library's LoRA
+    embedding (`maybe_lora` on a `ParallelEmbedding`) does:
+    `out += (lora_alpha / lora_rank) * lora_a.T[ids] @ lora_b.T`, with `lora_a`
+    `[lora_rank, num_embeddings]` starting at zero and `lora_b`
+    `[embedding_dim, lora_rank]` drawn from N(0, 1); `lora_b` is split like the
+    output features (`partition="embedding"`) or replicated (`partition="vocab"`).
+
+    Fields: `weight` (`Sharded`; spec `P(None, axis)` or `P(axis, None)`), `lora_a`,
+    `lora_b` (`Sharded`, or `None` without LoRA).
     """
 
     weight: Sharded
+    lora_a: Sharded | None
+    lora_b: Sharded | None
+    lora_scale: float = eqx.field(static=True)
     num_embeddings: int = eqx.field(static=True)
     embedding_dim: int = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
@@ -58,6 +69,9 @@ class ParallelEmbedding(eqx.Module):
         padding_idx: int | None = None,
         init_type: str = "xavier_normal",
         sequence_parallel: bool = False,
+        lora_rank: int | None = None,
+        lora_alpha: float = 1.0,
+        normal_std: float = 0.01,
         dtype: Any = None,
         key: PRNGKeyArray,
     ):
@@ -72,6 +86,10 @@ class ParallelEmbedding(eqx.Module):
         - `init_type`: see `equishard.nn.init_weight`.
         - `sequence_parallel`: return this device's tokens only (the last dimension of
           `ids` split over the axis) instead of all of them.
+        - `lora_rank`, `lora_alpha`: add a LoRA update of this rank, scaled by
+          `lora_alpha / lora_rank` (see above); `None`: no LoRA.
+        - `normal_std`: the standard deviation of the `"normal"`-family init types
+          (the PyTorch library's 0.01; the reference GPT passes 0.02).
         - `dtype`: the table's dtype (default: JAX's default float).
         - `key`: a PRNG key; the global table is built from it (mesh-invariant).
         """
@@ -88,8 +106,16 @@ class ParallelEmbedding(eqx.Module):
                     f"padding_idx < {num_embeddings})."
                 )
             padding_idx = padding_idx % num_embeddings
+        self.lora_scale = lora_scale(name, lora_rank, lora_alpha)
         # f32[V, D], global
-        w = init_weight(key, (num_embeddings, embedding_dim), init_type, dtype=dtype)
+        w = init_weight(key, (num_embeddings, embedding_dim), init_type, dtype=dtype, normal_std=normal_std)
+        if lora_rank is not None:
+            lora_b = jax.random.normal(jax.random.fold_in(key, 1), (embedding_dim, lora_rank), w.dtype)
+            self.lora_a = Sharded(jnp.zeros((lora_rank, num_embeddings), w.dtype), P())
+            self.lora_b = Sharded(lora_b, P(axis_name, None) if partition == "embedding" else P())
+        else:
+            self.lora_a = None
+            self.lora_b = None
         if padding_idx is not None:
             w = w.at[padding_idx].set(0)
         spec = P(None, axis_name) if partition == "embedding" else P(axis_name, None)
@@ -104,8 +130,8 @@ class ParallelEmbedding(eqx.Module):
 
     @property
     def master_weight(self) -> Array:
-        """The full global table `[num_embeddings, embedding_dim]` (outside `shard_map`)."""
-        return jnp.asarray(value_of(self.weight))
+        """The full global table `[num_embeddings, embedding_dim]`; inside `shard_map` gathered."""
+        return master_of(self.weight, (self.num_embeddings, self.embedding_dim), self.axis_name)
 
     def __call__(self, ids: Int[Array, "..."]) -> Float[Array, "... embedding_dim"]:
         """**Arguments:**
@@ -124,7 +150,8 @@ class ParallelEmbedding(eqx.Module):
             check_divisible("ParallelEmbedding", "embedding_dim", self.embedding_dim, self.axis_name, n)
             # f32[V, D/n][ids] -> f32[..., D/n]
             out = jnp.take(table, ids, axis=0)
-            out = self._mask_padding(ids, out)
+            # + f32[..., r] @ f32[r, D/n]
+            out = self._mask_padding(ids, out + self._lora(ids))
             if bound:
                 # f32[..., D/n] -> f32[..., D], replicated
                 out = mp_gather(out, -1, axis_name=self.axis_name)
@@ -142,14 +169,27 @@ class ParallelEmbedding(eqx.Module):
         out = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
         out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
         out = self._mask_padding(ids, out)
+        # f32[..., D], replicated (zero without LoRA)
+        lora = self._mask_padding(ids, self._lora(ids)) if self.lora_a is not None else self._lora(ids)
         if bound and self.sequence_parallel:
             check_divisible("ParallelEmbedding", "the token dimension", out.shape[-2], self.axis_name, n)
             # partial f32[..., T, D] -> f32[..., T/n, D]
             out = scatter_tokens(out, self.axis_name)
+            if self.lora_a is not None:
+                out = out + mp_scatter(lora, -2, axis_name=self.axis_name)
         elif bound:
             # partial f32[..., D] -> f32[..., D], replicated
-            out = mp_reduce(out, axis_name=self.axis_name)
+            out = mp_reduce(out, axis_name=self.axis_name) + lora
+        else:
+            out = out + lora
         return out
+
+    def _lora(self, ids: Array) -> Array:
+        """`scale * lora_a.T[ids] @ lora_b.T`: f32[..., r] @ f32[r, D (or D/n)]; zero without LoRA."""
+        if self.lora_a is None or self.lora_b is None:
+            return jnp.zeros((), value_of(self.weight).dtype)
+        after_a = jnp.take(value_of(self.lora_a).T, ids, axis=0)  # f32[..., r]
+        return self.lora_scale * (after_a @ value_of(self.lora_b).T)
 
     def _mask_padding(self, ids: Array, out: Array) -> Array:
         # The padding row is zero; masking it also stops its gradient.

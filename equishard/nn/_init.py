@@ -54,6 +54,8 @@ def init_weight(
     init_type: str = "xavier_normal",
     *,
     dtype: Any = None,
+    normal_std: float = 0.01,
+    uniform_scale: float = 0.02,
     scale: float = 0.02,
 ) -> Array:
     """Initialise a weight of `shape` in the PyTorch layout (`[..., out, in]`).
@@ -69,18 +71,23 @@ def init_weight(
     - `shape`: the global shape.
     - `init_type`: one of
         - `"orthogonal"`: a (semi-)orthogonal matrix;
-        - `"normal"`, `"biased_normal"`: N(0, `scale`²) (the two differ in the bias,
-          see `init_bias`);
-        - `"uniform"`: U(-`scale`, `scale`);
+        - `"normal"`, `"biased_normal"`: N(0, `normal_std`²) (the two differ in the
+          bias, see `init_bias`);
+        - `"uniform"`: U(0, `uniform_scale`) (torch's `uniform_(w, b=uniform_scale)`);
         - `"kaiming_uniform"`, `"kaiming_normal"`: He et al. with fan-in and gain √2
           (bound √(6/fan_in), standard deviation √(2/fan_in));
         - `"xavier_uniform"`, `"xavier_normal"`: Glorot et al. (bound
           √(6/(fan_in+fan_out)), standard deviation √(2/(fan_in+fan_out)));
-        - `"trunc_normal"`: N(0, `scale`²) truncated at two standard deviations;
+        - `"trunc_normal"`: torch's `trunc_normal_(w, std=normal_std)`: N(0,
+          `normal_std`²) truncated to [-2, 2] (absolute bounds, torch's defaults);
         - `"dirac"`: the identity (`eye(out, in)`, repeated over leading axes);
         - `"constant"`: every entry `scale`; `"zeros"`; `"ones"`.
     - `dtype`: the dtype (default: JAX's default float).
-    - `scale`: the standard deviation, bound or value of the scale-based types.
+    - `normal_std`: the standard deviation of `"normal"`, `"biased_normal"`,
+      `"trunc_normal"` (the PyTorch library's default, 0.01).
+    - `uniform_scale`: the upper bound of `"uniform"` (the PyTorch library's default,
+      0.02).
+    - `scale`: the value of `"constant"`.
 
     **Returns:**
 
@@ -94,9 +101,9 @@ def init_weight(
     if init_type == "orthogonal":
         return jax.nn.initializers.orthogonal()(key, shape, dtype)
     if init_type in ("normal", "biased_normal"):
-        return scale * jax.random.normal(key, shape, dtype)
+        return normal_std * jax.random.normal(key, shape, dtype)
     if init_type == "uniform":
-        return jax.random.uniform(key, shape, dtype, -scale, scale)
+        return jax.random.uniform(key, shape, dtype, 0.0, uniform_scale)
     if init_type == "kaiming_uniform":
         bound = math.sqrt(6.0 / fan_in)
         return jax.random.uniform(key, shape, dtype, -bound, bound)
@@ -108,7 +115,8 @@ def init_weight(
     if init_type == "xavier_normal":
         return math.sqrt(2.0 / (fan_in + fan_out)) * jax.random.normal(key, shape, dtype)
     if init_type == "trunc_normal":
-        return scale * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
+        bound = 2.0 / normal_std  # [-2, 2] in units of the standard deviation
+        return normal_std * jax.random.truncated_normal(key, -bound, bound, shape, dtype)
     if init_type == "dirac":
         eye = jnp.eye(fan_out, fan_in, dtype=dtype) if len(shape) > 1 else jnp.ones(shape, dtype)
         return jnp.broadcast_to(eye, shape)
@@ -125,12 +133,14 @@ def init_bias(
     init_type: str = "xavier_normal",
     *,
     dtype: Any = None,
-    scale: float = 0.02,
+    normal_std: float = 0.01,
 ) -> Array:
     """Initialise the bias that goes with a weight initialised by `init_weight`.
 
-    `"biased_normal"` draws the bias from N(0, `scale`²), as the PyTorch library
-    does; every other init type starts the bias at zero.
+    `"biased_normal"` draws the bias from N(0, `normal_std`²), as the PyTorch
+    library's `init_` does for a layer's bias; every other init type starts the bias at
+    zero. (The parallel layers, like the library's, keep their bias at zero whatever
+    the init type.)
 
     **Arguments:**
 
@@ -138,7 +148,7 @@ def init_bias(
     - `shape`: the global shape of the bias.
     - `init_type`: the weight's init type.
     - `dtype`: the dtype (default: JAX's default float).
-    - `scale`: the standard deviation for `"biased_normal"`.
+    - `normal_std`: the standard deviation for `"biased_normal"`.
 
     **Returns:**
 
@@ -148,8 +158,84 @@ def init_bias(
     if dtype is None:
         dtype = jnp.result_type(float)
     if init_type == "biased_normal":
-        return scale * jax.random.normal(key, shape, dtype)
+        return normal_std * jax.random.normal(key, shape, dtype)
     return jnp.zeros(shape, dtype)
+
+
+def initialize_model_parallel_affine_weight_(
+    key: PRNGKeyArray,
+    out_features: int,
+    in_features: int,
+    per_partition_size: int,
+    partition_dim: int,
+    init_type: str = "xavier_normal",
+    stride: int = 1,
+    *,
+    axis_name: str | None = None,
+    dtype: Any = None,
+) -> Array:
+    """This device's partition of a model-parallel affine weight (`ml.models.parallel`'s function).
+
+    The reference fills a tensor in place; JAX has no in-place update, so this takes a
+    key instead of the tensor and returns the partition. As the reference: the master
+    weight `[out_features, in_features]` is initialised with `init_type`
+    (`init_weight`), split along `partition_dim` into pieces of
+    `per_partition_size // stride`, and this device (rank `r` of `world_size`) keeps the
+    pieces `r, r + world_size, ...`, concatenated. With one device, the whole weight.
+    The same key gives the same master weight on every mesh (mesh-invariant).
+
+    **Arguments:**
+
+    - `key`: a PRNG key (the same on every device).
+    - `out_features`, `in_features`: the master weight's shape.
+    - `per_partition_size`: the size of this device's partition along `partition_dim`.
+    - `partition_dim`: `0` (column-parallel) or `1` / `-1` (row-parallel).
+    - `init_type`: see `init_weight`.
+    - `stride`: the number of interleaved pieces per partition.
+    - `axis_name`: the model-parallel mesh axis (inside `shard_map`), whose index is the
+      rank; not needed when the partition is the whole weight.
+    - `dtype`: the dtype (default: JAX's default float).
+
+    **Returns:**
+
+    The partition: `[out_features, in_features]` with `partition_dim` of size
+    `per_partition_size`.
+
+    **Raises:**
+
+    `LayerConfigError` if the sizes do not split evenly, or the rank is needed and
+    `axis_name` is not a bound axis of that world size.
+    """
+    name = "initialize_model_parallel_affine_weight_"
+    check_init_type(name, init_type)
+    check_positive(name, "per_partition_size", per_partition_size)
+    check_positive(name, "stride", stride)
+    shape = (out_features, in_features)
+    dim = partition_dim % 2
+    full = shape[dim]
+    if full % per_partition_size or per_partition_size % stride:
+        raise LayerConfigError(
+            f"{name}: per_partition_size={per_partition_size} must divide "
+            f"{('out_features', 'in_features')[dim]}={full} and be divisible by stride={stride}."
+        )
+    world_size = full // per_partition_size
+    master = init_weight(key, shape, init_type, dtype=dtype)
+    if world_size == 1:
+        return master
+    bound = 1 if axis_name is None else axis_size(axis_name)
+    if bound != world_size:
+        raise LayerConfigError(
+            f"{name}: a partition of {per_partition_size} of {full} needs the rank on a "
+            f"model axis of size {world_size}; pass axis_name= a bound mesh axis of that "
+            f"size (got {axis_name!r}, size {bound})."
+        )
+    assert axis_name is not None
+    rank = jax.lax.axis_index(axis_name)
+    piece = per_partition_size // stride
+    # [.., full, ..] -> [.., stride, world, piece, ..]: piece c = s * world + r
+    pieces = master.reshape(*shape[:dim], stride, world_size, piece, *shape[dim + 1 :])
+    mine = jax.lax.dynamic_index_in_dim(pieces, rank, axis=dim + 1, keepdims=False)
+    return mine.reshape(*shape[:dim], per_partition_size, *shape[dim + 1 :])
 
 
 def scale_init(init_fn: Callable[..., Array], scale_factor: float = 1.0) -> Callable[..., Array]:

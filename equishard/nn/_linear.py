@@ -38,7 +38,6 @@ from ._init import (
     check_partition,
     check_positive,
     check_stride,
-    init_bias,
     init_weight,
     value_of,
 )
@@ -56,6 +55,25 @@ def is_bound(axis_name: str) -> bool:
 def add_bias(y: Array, bias: Array) -> Array:
     """`y + bias` over the last dimension, broadcasting explicitly (rank promotion may raise)."""
     return y + jnp.broadcast_to(bias, y.shape)
+
+
+def master_of(box: Sharded, shape: tuple[int, ...], axis_name: str) -> Array:
+    """The whole global array of `box`, reshaped to `shape`, also inside the parallel region.
+
+    Outside `shard_map` the box already holds the global array. Inside a `shard_map`
+    over `axis_name` the dimension its spec splits over the axis is all-gathered
+    (`mp_gather`: the gradient flows back to this device's block), as the PyTorch
+    library's `master_weight` does.
+    """
+    value = value_of(box)
+    if is_bound(axis_name):
+        for dim, entry in enumerate(box.spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if axis_name in names:
+                # f32[.., K/n, ..] -> f32[.., K, ..]
+                value = mp_gather(value, dim, axis_name=axis_name)
+                break
+    return jnp.reshape(value, shape)
 
 
 def split_dim(x: Array, dim: int, stride: int) -> Array:
@@ -123,7 +141,7 @@ def scatter_tokens(y: Array, axis_name: str) -> Array:
     return jax.lax.psum_scatter(y, axis_name, scatter_dimension=y.ndim - 2, tiled=True)
 
 
-def _lora_scale(layer: str, lora_rank: int | None, lora_alpha: float) -> float:
+def lora_scale(layer: str, lora_rank: int | None, lora_alpha: float) -> float:
     if lora_rank is None:
         return 0.0
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0:
@@ -201,7 +219,7 @@ class ColumnParallelLinear(eqx.Module):
         check_positive(name, "out_features", out_features)
         check_init_type(name, init_type)
         check_stride(name, "out_features", out_features, stride)
-        self.lora_scale = _lora_scale(name, lora_rank, lora_alpha)
+        self.lora_scale = lora_scale(name, lora_rank, lora_alpha)
         if sequence_parallel and gather_output:
             raise LayerConfigError(
                 f"{name}: sequence_parallel=True leaves the output split over features; "
@@ -212,7 +230,7 @@ class ColumnParallelLinear(eqx.Module):
         w = init_weight(wkey, (out_features, in_features), init_type, dtype=dtype)
         self.weight = Sharded(split_dim(w, 0, stride), strided_spec(2, 0, stride, axis_name))
         if bias:
-            b = init_bias(bkey, (out_features,), init_type, dtype=dtype)
+            b = jnp.zeros((out_features,), w.dtype)  # zero, as the reference's layers (biased_normal too)
             self.bias = Sharded(split_dim(b, 0, stride), strided_spec(1, 0, stride, axis_name))
         else:
             self.bias = None
@@ -235,15 +253,15 @@ class ColumnParallelLinear(eqx.Module):
 
     @property
     def master_weight(self) -> Array:
-        """The full global weight `[out_features, in_features]` (outside `shard_map`)."""
-        return jnp.reshape(value_of(self.weight), (self.out_features, self.in_features))
+        """The full global weight `[out_features, in_features]`; inside `shard_map` gathered."""
+        return master_of(self.weight, (self.out_features, self.in_features), self.axis_name)
 
     @property
     def master_bias(self) -> Array | None:
-        """The full global bias `[out_features]` (outside `shard_map`), or `None`."""
+        """The full global bias `[out_features]` (inside `shard_map` gathered), or `None`."""
         if self.bias is None:
             return None
-        return jnp.reshape(value_of(self.bias), (self.out_features,))
+        return master_of(self.bias, (self.out_features,), self.axis_name)
 
     def __call__(self, x: Float[Array, "... in_features"]) -> Float[Array, "... out"]:
         """**Arguments:**
@@ -352,13 +370,14 @@ class RowParallelLinear(eqx.Module):
         check_positive(name, "out_features", out_features)
         check_init_type(name, init_type)
         check_stride(name, "in_features", in_features, stride)
-        self.lora_scale = _lora_scale(name, lora_rank, lora_alpha)
+        self.lora_scale = lora_scale(name, lora_rank, lora_alpha)
         wkey, bkey, akey = jax.random.split(key, 3)
         # f32[out, in] (global) stored as f32[out, s, in/s] when strided.
         w = init_weight(wkey, (out_features, in_features), init_type, dtype=dtype)
         self.weight = Sharded(split_dim(w, 1, stride), strided_spec(2, 1, stride, axis_name))
         if bias:
-            self.bias = Sharded(init_bias(bkey, (out_features,), init_type, dtype=dtype), P())
+            # zero, as the reference's layers (biased_normal too)
+            self.bias = Sharded(jnp.zeros((out_features,), w.dtype), P())
         else:
             self.bias = None
         if lora_rank is not None:
@@ -379,12 +398,12 @@ class RowParallelLinear(eqx.Module):
 
     @property
     def master_weight(self) -> Array:
-        """The full global weight `[out_features, in_features]` (outside `shard_map`)."""
-        return jnp.reshape(value_of(self.weight), (self.out_features, self.in_features))
+        """The full global weight `[out_features, in_features]`; inside `shard_map` gathered."""
+        return master_of(self.weight, (self.out_features, self.in_features), self.axis_name)
 
     @property
     def master_bias(self) -> Array | None:
-        """The full global bias `[out_features]`, or `None`."""
+        """The global bias `[out_features]` (replicated: one bias, not one per device), or `None`."""
         return None if self.bias is None else jnp.asarray(value_of(self.bias))
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out_features"]:

@@ -60,8 +60,8 @@ class ModelParallelismWrapper(eqx.Module):
 
     def __init__(
         self,
-        module_fn: Callable[..., PyTree],
-        model_axis_name: str,
+        model_axis_name: str | Callable[..., PyTree],
+        module_fn: Callable[..., PyTree] | str,
         mask_except_model_idx: int | None = None,
         split_rngs: bool = True,
         module_kwargs: Mapping[str, Any] | None = None,
@@ -71,8 +71,12 @@ class ModelParallelismWrapper(eqx.Module):
     ):
         """**Arguments:**
 
-        - `module_fn`: builds one copy: `module_fn(key=key, **module_kwargs)`.
         - `model_axis_name`: the mesh axis the copies are split over.
+        - `module_fn`: builds one copy: `module_fn(key=key, **module_kwargs)`.
+
+        The order is the xLSTM library's (`model_axis_name` first). The order of earlier
+        equishard releases, `(module_fn, model_axis_name, ...)`, is recognised (a
+        callable first, a string second) and still accepted.
         - `mask_except_model_idx`: if given, every copy but this one starts with its
           floating-point parameters at zero (e.g. a bias that the sum over the axis
           should count once).
@@ -84,6 +88,13 @@ class ModelParallelismWrapper(eqx.Module):
         - `key`: a PRNG key.
         """
         name = "ModelParallelismWrapper"
+        if callable(model_axis_name) and isinstance(module_fn, str):
+            model_axis_name, module_fn = module_fn, model_axis_name  # the earlier order
+        if not isinstance(model_axis_name, str) or not callable(module_fn):
+            raise LayerConfigError(
+                f"{name}(model_axis_name, module_fn, ...): expected a mesh axis name and a "
+                f"callable, got {model_axis_name!r} and {module_fn!r}."
+            )
         kwargs = dict(module_kwargs or {})
         if axis_size is not None:
             check_positive(name, "axis_size", axis_size)
