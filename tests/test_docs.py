@@ -46,6 +46,7 @@ PAGES = {
     "training.md": ("training.py", "multihost.py"),
     "coming-from.md": ("coming_from.py",),
     "inspect-and-plan.md": ("inspect_and_plan.py",),
+    "long-sequences.md": ("long_sequences.py",),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -243,6 +244,16 @@ def test_multihost_equals_one_process():
         assert abs(a - b) <= 1e-5 * abs(b), (two, one)
     assert "[1] process 1 of 2: 4 local devices, 8 in all" in launched
     assert not lines_after(launched, "[1] step ")  # only process 0 prints
+
+
+def test_long_sequences():
+    out = run_example("long_sequences.py")
+    errors = [floats(line)[-1] for line in out.splitlines() if "relative error" in line]
+    assert len(errors) == 4 and all(e <= 1e-5 for e in errors)
+    rows = {int(line.split()[1]): floats(line) for line in out.splitlines() if line.startswith("S=")}
+    assert rows[8192][1] <= 2.2 * rows[4096][1] and rows[8192][0] >= 3.5 * rows[4096][0]
+    zigzag = lines_after(out, "zigzag     block pairs per device ")[0]
+    assert "max/min 1.00" in zigzag
 
 
 def test_inspect_and_plan():
