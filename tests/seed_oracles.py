@@ -114,12 +114,6 @@ def gather_array_with_mean_grads(x, axis, axis_name, gather_dtype=None, grad_sca
     return f(x)
 
 
-def sync_gradient(g, split_axes, axis_names):
-    """`sync_gradients` on one leaf: the mean over the axes its spec does not name."""
-    replicated = [a for a in axis_names if a not in split_axes]
-    return jax.lax.pmean(g, axis_name=tuple(replicated)) if replicated else g
-
-
 # ----------------------------------------------------------------- pipeline_parallel.py
 
 
@@ -192,3 +186,13 @@ def mp_gather(x, dim, axis_name):
 
     f.defvjp(lambda x: (f(x), None), lambda _, g: (_split(g, axis_name, dim),))
     return f(x)
+
+
+def sync_gradients(grads_and_names, axis_names):
+    """`sync_gradients` on `(value, names)` pairs: replicated over all axes -> pmean over
+    all; partitioned -> pmean over the axes its names leave out (none: unchanged)."""
+    out = {}
+    for k, (g, names) in grads_and_names.items():
+        replicated = [a for a in axis_names if a not in names]
+        out[k] = jax.lax.pmean(g, axis_name=tuple(replicated)) if replicated else g
+    return out

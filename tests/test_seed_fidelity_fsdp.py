@@ -126,17 +126,19 @@ def test_gather_array_with_mean_grads_matches_reference(n):
 
 
 def test_reference_gather_dtype_and_grad_scatter_dtype():
-    """Port of xlstm-jax tests/distributed/test_data_parallel.py (smaller shapes)."""
+    """Port of xlstm-jax tests/distributed/test_data_parallel.py (smaller shapes; the six
+    dtype combinations in one compiled program)."""
     n, hidden_per_device, batch, output = 4, 16, 32, 8
+    combos = [(g, sc) for g in ("float32", "bfloat16") for sc in ("float32", "bfloat16", "float16")]
 
-    def grads_for(gather_dtype, grad_scatter_dtype):
-        def local(key):
-            key = jax.random.fold_in(key, jax.lax.axis_index("x"))  # fold_rng_over_axis
-            k_inp, k_tgt, k_w = jax.random.split(key, 3)
-            inp = jax.random.normal(k_inp, (batch, hidden_per_device * n))
-            targets = jax.random.normal(k_tgt, (batch, output))
-            weight = jax.random.normal(k_w, (hidden_per_device, output))
+    def local(key):
+        key = jax.random.fold_in(key, jax.lax.axis_index("x"))  # fold_rng_over_axis
+        k_inp, k_tgt, k_w = jax.random.split(key, 3)
+        inp = jax.random.normal(k_inp, (batch, hidden_per_device * n))
+        targets = jax.random.normal(k_tgt, (batch, output))
+        weight = jax.random.normal(k_w, (hidden_per_device, output))
 
+        def grads(gather_dtype, grad_scatter_dtype):
             def loss_fn(params):
                 params = gather_array_with_mean_grads(
                     params, axis=0, axis_name="x", gather_dtype=gather_dtype, grad_scatter_dtype=grad_scatter_dtype
@@ -146,9 +148,10 @@ def test_reference_gather_dtype_and_grad_scatter_dtype():
 
             return jax.grad(loss_fn)(weight)
 
-        return np.asarray(smap(local, n, P(), P("x"))(jax.random.key(0)))
+        return {f"{g}/{sc}": grads(g, sc) for g, sc in combos}
 
-    grads = {(g, s): grads_for(g, s) for g in ("float32", "bfloat16") for s in ("float32", "bfloat16", "float16")}
+    out = smap(local, n, P(), P("x"))(jax.random.key(0))
+    grads = {tuple(k.split("/")): np.asarray(v) for k, v in out.items()}
     np.testing.assert_allclose(grads["float32", "float32"], grads["bfloat16", "float32"])
     np.testing.assert_allclose(grads["float32", "bfloat16"], grads["bfloat16", "bfloat16"])
     assert not np.all(grads["float32", "float32"] == grads["float32", "bfloat16"])
@@ -227,6 +230,27 @@ def test_shard_module_params_recipe_gives_single_device_gradients(n):
     ref_loss, ref_grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - t) ** 2))(plain)
     assert_tree_allclose(loss, ref_loss)
     assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sync_gradients_matches_reference(n):
+    dp = 2 if 2 * n <= len(jax.devices()) else 1
+    mesh = Mesh(np.array(jax.devices()[: dp * n]).reshape(dp, n), ("dp", "x"))
+    g = jax.random.normal(jax.random.key(n), (dp * n, 6, 4))  # a distinct gradient per device
+
+    def local(g):
+        g = g[0]
+        tree = {"replicated": g, "split_x": es.Sharded(g, P("x", None)), "split_both": es.Sharded(g, P(("dp", "x")))}
+        ours = es.unbox(es.sync_gradients(tree, ("dp", "x")))
+        theirs = ref.sync_gradients(
+            {"replicated": (g, ()), "split_x": (g, ("x",)), "split_both": (g, ("dp", "x"))}, ("dp", "x")
+        )
+        return jax.tree.map(lambda a: a[None], (ours, theirs))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=P(("dp", "x")), out_specs=P(("dp", "x")), check_vma=False)
+    ours, theirs = jax.jit(fn)(g)
+    assert_tree_allclose(ours, theirs)
+    assert_tree_allclose(ours["replicated"][0], g.mean(0))
 
 
 def test_local_loss_functions_refuse_the_varying_axes_check():
