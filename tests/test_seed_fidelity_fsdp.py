@@ -16,10 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.core import execute_pipeline, execute_pipeline_step, gather_array_with_mean_grads
+from equishard.core import (
+    execute_pipeline,
+    execute_pipeline_step,
+    gather_array_with_mean_grads,
+)
 from equishard.nn import gather_params, shard_module_params
 
 from . import seed_oracles as ref
@@ -106,7 +111,7 @@ def mean_grads_program(n, gather_dtype=None, grad_scatter_dtype=None):
                 full = gather(w, 0, "x", gather_dtype, grad_scatter_dtype)
                 return jnp.mean(jnp.tanh(x @ full.astype(jnp.float32)) ** 2), full
 
-            (value, full), g = jax.value_and_grad(f, has_aux=True)(w)
+            (_, full), g = jax.value_and_grad(f, has_aux=True)(w)
             return full[None], g
 
         return loss(gather_array_with_mean_grads), loss(ref.gather_array_with_mean_grads)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import ReduceOp, mp_copy, mp_gather, mp_reduce, mp_scatter
@@ -88,7 +89,7 @@ def test_mp_operators_with_the_check_on_invariant_inputs(n):
 
     ours = make(lambda a: mp_copy(a, axis_name="x"), lambda a: mp_reduce(a, axis_name="x"))
     theirs = make(lambda a: ref.mp_copy(a, "sum", "x"), lambda a: ref.mp_reduce(a, "sum", "x"))
-    run = lambda fn, check: jax.jit(  # noqa: E731
+    run = lambda fn, check: jax.jit(
         jax.shard_map(fn, mesh=line_mesh(n), in_specs=P(), out_specs=P(), check_vma=check)
     )(v)
     # The reference (check off) gives each device the full gradient; so does ours with the check.

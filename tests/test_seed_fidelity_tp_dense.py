@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.report import count_collectives, read_collectives
 from equishard.nn import Dense, TPAsyncDense, TPDense
+from equishard.report import count_collectives, read_collectives
 
 from . import seed_oracles as ref
 from .helpers import assert_tree_allclose
@@ -182,7 +183,7 @@ def oracle_program(n):
             ("async_uni", lambda x: ref_async(x, False)),
             ("async_bi", lambda x: ref_async(x, True)),
         ):
-            o, vjp_o = jax.vjp(lambda x: ours(x, name), x)
+            o, vjp_o = jax.vjp(functools.partial(ours, name=name), x)
             r, vjp_r = jax.vjp(fn, x)
             res[name] = (o, r, vjp_o(jnp.ones_like(o))[0], vjp_r(jnp.ones_like(r))[0])
         return res
@@ -200,7 +201,7 @@ def test_tp_dense_matches_reference_oracle(n):
     rows = _blocks(kg, n, 0)  # kg: [D, F]; rows of device d: [D/n, F]
     up_k = np.stack([[_blocks(rows[(i - k) % n], n, 1)[i] for k in range(n)] for i in range(n)])
     cols = _blocks(ks, n, 1)  # ks: [F, D]; columns of device d: [F, D/n]
-    mine = lambda i: _blocks(ks, n, 0)[i]  # noqa: E731  this device's rows [F/n, D]
+    mine = lambda i: _blocks(ks, n, 0)[i]
     dn_k = np.stack([[_blocks(mine(i), n, 1)[(i - k - 1) % n] for k in range(n)] for i in range(n)])
     half = D // n // 2
     dn_k_split = np.stack(
@@ -218,7 +219,7 @@ def test_tp_dense_matches_reference_oracle(n):
     del cols
     x = jax.random.normal(jax.random.key(8), (B, T, D))
     res = oracle_program(n)(layers, x, up_k, dn_k, dn_k_split)
-    for name, (o, r, go, gr) in res.items():
+    for o, r, go, gr in res.values():
         assert_tree_allclose(o, r)
         assert_tree_allclose(go, gr)
 

@@ -41,18 +41,33 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._errors import LayerConfigError
-from ..core import async_gather, async_gather_bidirectional, async_scatter, async_scatter_split, mp_gather
+from ..core import (
+    async_gather,
+    async_gather_bidirectional,
+    async_scatter,
+    async_scatter_split,
+    mp_gather,
+)
 from ..core._collectives import ring_index
 from ..sharding import Sharded
 from ..sharding._fsdp import _axis_size
-from ._init import axis_size, check_choice, check_divisible, check_positive, scale_init, value_of
+from ._init import (
+    axis_size,
+    check_choice,
+    check_divisible,
+    check_positive,
+    scale_init,
+    value_of,
+)
 from ._linear import add_bias, is_bound
 
 TP_MODES = ("scatter", "gather", "none")
+_LECUN_NORMAL = jax.nn.initializers.lecun_normal()  # flax.linen.Dense's default kernel_init
 
 
 class Dense(eqx.Module):
@@ -82,7 +97,7 @@ class Dense(eqx.Module):
         out_features: int,
         *,
         use_bias: bool = True,
-        kernel_init: Callable[..., Array] = jax.nn.initializers.lecun_normal(),
+        kernel_init: Callable[..., Array] = _LECUN_NORMAL,
         dtype: Any = None,
         key: PRNGKeyArray,
     ):
@@ -191,7 +206,7 @@ class TPDense(eqx.Module):
         model_axis_name: str,
         tp_mode: str = "none",
         skip_communication: bool = False,
-        kernel_init: Callable[..., Array] = jax.nn.initializers.lecun_normal(),
+        kernel_init: Callable[..., Array] = _LECUN_NORMAL,
         kernel_init_adjustment: float = 1.0,
         dense_name: str = "module",
         *,
@@ -301,7 +316,7 @@ class TPAsyncDense(eqx.Module):
         dense_fn: Callable[..., Any],
         model_axis_name: str,
         tp_mode: str = "none",
-        kernel_init: Callable[..., Array] = jax.nn.initializers.lecun_normal(),
+        kernel_init: Callable[..., Array] = _LECUN_NORMAL,
         kernel_init_adjustment: float = 1.0,
         dense_name: str = "module",
         use_bidirectional_gather: bool = True,
