@@ -47,6 +47,7 @@ PAGES = {
     "coming-from.md": ("coming_from.py",),
     "inspect-and-plan.md": ("inspect_and_plan.py",),
     "long-sequences.md": ("long_sequences.py",),
+    "your-own-model.md": ("your_own_model.py",),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -264,6 +265,17 @@ def test_inspect_and_plan():
     assert re.search(r"peak per device .* of 16\.00 GiB: fits", out)
     [own] = lines_after(out, "measured ")[-1:]
     assert own.endswith("ratio 1.000")  # the FSDP formula, on an unmodified eqx.nn.MLP
+
+
+def test_your_own_model_trains_as_on_one_device():
+    out = run_example("your_own_model.py")
+    rows = {line.split(" grad_accum")[0].strip(): floats(line.split(" losses ")[1]) for line in out.splitlines() if " losses " in line}
+    assert set(rows) == {"one device", "dp=8", "fsdp=8", "dp=2,fsdp=4"}
+    reference = rows["one device"]
+    assert len(reference) == 4 and reference[-1] < reference[0]  # it learns
+    for name, losses in rows.items():
+        for a, b in zip(losses, reference, strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b) + 1e-6, (name, losses, reference)  # printed to 1e-6
 
 
 def test_coming_from():

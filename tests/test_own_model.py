@@ -217,3 +217,13 @@ def test_fsdp_warns_when_it_leaves_most_bytes_replicated():
 def test_fsdp_wrap_refuses_a_policy_that_selects_nothing():
     with pytest.raises(es.LayerConfigError, match="selects no module"):
         es.nn.fsdp_wrap(Llama(key=jax.random.key(0)), "fsdp", policy=eqx.nn.Conv1d, mesh=es.make_mesh("fsdp=8"))
+
+
+def test_a_path_rule_that_matches_nothing_warns_or_raises():
+    model = Llama(key=jax.random.key(0))
+    rules = [(r"blocks\[\d+\]\.attn\.wq\.weight", P("tp")), (r"blocks\[\d+\]\.atn\.wo\.weight", P(None, "tp"))]
+    with pytest.warns(UserWarning, match=r"atn\\\\.wo"):
+        ruled = es.apply_rules(model, rules)
+    assert ruled.blocks[0].attn.wq.weight.spec == P("tp", None)
+    with pytest.raises(es.SpecError, match="match no array path"):
+        es.apply_rules(model, rules, strict=True)

@@ -9,6 +9,7 @@ replicated.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ def spec_for_path(path: str, rules: Rules) -> P:
     return P()
 
 
-def apply_rules(tree: PyTree, rules: Rules) -> PyTree:
+def apply_rules(tree: PyTree, rules: Rules, *, strict: bool = False) -> PyTree:
     """Give every array of an unmodified model a spec by path rules.
 
     ```python
@@ -63,6 +64,8 @@ def apply_rules(tree: PyTree, rules: Rules) -> PyTree:
     - `tree`: any pytree of modules and arrays (boxed arrays get the new spec too).
     - `rules`: ordered `(regex, PartitionSpec)` pairs matched with `re.search` against
       each array's path; the first match wins; no match gives `P()` (replicated).
+    - `strict`: raise, instead of warning, when a rule matches no array (a typo in a
+      pattern would otherwise leave its arrays silently replicated).
 
     **Returns:**
 
@@ -71,16 +74,22 @@ def apply_rules(tree: PyTree, rules: Rules) -> PyTree:
     **Raises:**
 
     `SpecError` naming the path and shape when a matched spec has more entries than
-    the array has dimensions, or when a rule is malformed.
+    the array has dimensions, when a rule is malformed, or (with `strict=True`) when a
+    rule matches no array.
     """
     compiled = _compile_rules(rules)
+    used = [False] * len(compiled)
 
     def give(path: Sequence[Any], leaf: Any) -> Any:
         value = leaf.value if is_sharded(leaf) else leaf
         if not is_array_like(value):
             return leaf
         name = path_str(path)
-        spec = next((s for p, s in compiled if p.search(name)), P())
+        spec = P()
+        for i, (pattern, rule_spec) in enumerate(compiled):
+            if pattern.search(name):
+                used[i], spec = True, rule_spec
+                break
         if len(spec) > value.ndim:
             raise SpecError(
                 f"rule spec {spec} matched parameter `{name}` (shape {tuple(value.shape)}), "
@@ -88,4 +97,15 @@ def apply_rules(tree: PyTree, rules: Rules) -> PyTree:
             )
         return Sharded(value, spec)
 
-    return jax.tree_util.tree_map_with_path(give, tree, is_leaf=is_sharded)
+    out = jax.tree_util.tree_map_with_path(give, tree, is_leaf=is_sharded)
+    unused = [pattern.pattern for (pattern, _), hit in zip(compiled, used) if not hit]
+    if unused:
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]]
+        message = (
+            f"apply_rules: the rule(s) {unused} match no array path of {type(tree).__name__} "
+            f"(paths look like {paths[:3]}); the arrays they were meant for stay replicated."
+        )
+        if strict:
+            raise SpecError(message)
+        warnings.warn(message, stacklevel=2)
+    return out

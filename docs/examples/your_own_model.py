@@ -1,0 +1,155 @@
+"""Your own Equinox model, unchanged, on one device, data parallel and FSDP: the same
+losses, with dropout on and an optax chain.
+
+The code of the guide `docs/guides/your-own-model.md`. Run it on a laptop CPU:
+
+    python docs/examples/your_own_model.py
+"""
+
+# --8<-- [start:setup]
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts: 8 simulated CPU devices
+
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import equishard as es
+from equishard.core import example_keys
+from equishard.train import init_train_state, make_train_step
+# --8<-- [end:setup]
+
+
+# --8<-- [start:model]
+class Attention(eqx.Module):
+    """Causal attention with grouped-query heads, written with `eqx.nn.Linear`."""
+
+    wq: eqx.nn.Linear
+    wk: eqx.nn.Linear
+    wv: eqx.nn.Linear
+    wo: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+
+    def __init__(self, dim, n_heads, n_kv_heads, *, key):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        head = dim // n_heads
+        self.wq = eqx.nn.Linear(dim, n_heads * head, use_bias=False, key=kq)
+        self.wk = eqx.nn.Linear(dim, n_kv_heads * head, use_bias=False, key=kk)
+        self.wv = eqx.nn.Linear(dim, n_kv_heads * head, use_bias=False, key=kv)
+        self.wo = eqx.nn.Linear(n_heads * head, dim, use_bias=False, key=ko)
+        self.dropout = eqx.nn.Dropout(0.1)
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+
+    def __call__(self, x, *, key):  # x: f32[S, D], one example
+        seq, head = x.shape[0], self.wq.out_features // self.n_heads
+        q = jax.vmap(self.wq)(x).reshape(seq, self.n_heads, head)
+        k = jax.vmap(self.wk)(x).reshape(seq, self.n_kv_heads, head)
+        v = jax.vmap(self.wv)(x).reshape(seq, self.n_kv_heads, head)
+        k = jnp.repeat(k, self.n_heads // self.n_kv_heads, axis=1)
+        v = jnp.repeat(v, self.n_heads // self.n_kv_heads, axis=1)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(head)
+        causal = jnp.tril(jnp.ones((seq, seq), bool))[None]
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        weights = self.dropout(weights, key=key)
+        return jax.vmap(self.wo)(jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, -1))
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.RMSNorm
+    attn: Attention
+    norm2: eqx.nn.RMSNorm
+    up: eqx.nn.Linear
+    gate: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, dim, *, key):
+        ka, ku, kg, kd = jax.random.split(key, 4)
+        self.norm1, self.norm2 = eqx.nn.RMSNorm(dim), eqx.nn.RMSNorm(dim)
+        self.attn = Attention(dim, n_heads=4, n_kv_heads=2, key=ka)
+        self.up = eqx.nn.Linear(dim, 2 * dim, use_bias=False, key=ku)
+        self.gate = eqx.nn.Linear(dim, 2 * dim, use_bias=False, key=kg)
+        self.down = eqx.nn.Linear(2 * dim, dim, use_bias=False, key=kd)
+
+    def __call__(self, x, *, key):
+        x = x + self.attn(jax.vmap(self.norm1)(x), key=key)
+        h = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(self.down)(jax.nn.silu(jax.vmap(self.gate)(h)) * jax.vmap(self.up)(h))
+
+
+class Model(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab=64, dim=64, depth=2, *, key):
+        ke, kb, kh = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(vocab, dim, key=ke)
+        self.blocks = [Block(dim, key=k) for k in jax.random.split(kb, depth)]
+        self.head = eqx.nn.Linear(dim, vocab, use_bias=False, key=kh)
+
+    def __call__(self, tokens, *, key):  # int[S] -> f32[S, vocab]
+        x = jax.vmap(self.embed)(tokens)
+        for block, k in zip(self.blocks, jax.random.split(key, len(self.blocks))):
+            x = block(x, key=k)
+        return jax.vmap(self.head)(x)
+# --8<-- [end:model]
+
+
+# --8<-- [start:loss]
+def make_loss(data_axes):
+    def loss_fn(model, batch, key, *, index):
+        # `index`: int32[B_local], where this device's examples sit in the global
+        # batch. One key per example: the same masks on every layout.
+        keys = example_keys(key, index)
+        logits = jax.vmap(model)(batch[:, :-1], key=keys)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        return jax.lax.pmean(loss, data_axes), {}  # the global loss
+
+    return loss_fn
+# --8<-- [end:loss]
+
+
+# --8<-- [start:train]
+optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
+rng = np.random.default_rng(0)
+batches = [rng.integers(0, 64, (16, 17), dtype=np.int32) for _ in range(4)]
+
+
+def one_fsdp_unit_each(path, module):
+    """Each block, the embedding and the head: one FSDP unit each."""
+    return isinstance(module, Block) or path in ("embed", "head")
+
+
+def train(layout, grad_accum=1):
+    mesh = es.make_mesh(layout)
+    data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
+    make = lambda k: Model(key=k)  # noqa: E731
+    if "fsdp" in mesh.axis_names:
+        make = lambda k: es.nn.fsdp_wrap(Model(key=k), "fsdp", policy=one_fsdp_unit_each)  # noqa: E731
+    state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(
+        make_loss(data), optimizer, mesh=mesh, batch_spec=P(data), grad_accum=grad_accum
+    )
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+for name, layout, grad_accum in [
+    ("one device", "dp=1", 1),
+    ("dp=8", "dp=8", 2),
+    ("fsdp=8", "fsdp=8", 2),
+    ("dp=2,fsdp=4", "dp=2,fsdp=4", 1),
+]:
+    state, losses = train(layout, grad_accum)
+    print(f"{name:12} grad_accum={grad_accum} losses", " ".join(f"{x:.6f}" for x in losses))
+# --8<-- [end:train]
