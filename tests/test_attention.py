@@ -323,6 +323,29 @@ def test_context_parallel_equals_reference(cp):
             assert_tree_allclose(results[f"{name}-{causal}"], results[f"reference-{causal}"], FP32_RTOL)
 
 
+def test_context_parallel_inside_dp_cp_tp():
+    # dp=2 (batch), cp=2 (sequence), tp=2 (heads: 2 query heads and 1 key/value head each).
+    mesh = es.make_mesh("dp=2,cp=2,tp=2")
+    spec = P("dp", "cp", "tp", None)
+    zz = functools.partial(zigzag_permute, cp=2, axis=1)
+    q, k, v = qkv(b=2, s=32, h=4, hkv=2)
+
+    def sharded(attend):
+        fn = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return lambda q, k, v: zigzag_unpermute(fn(zz(q), zz(k), zz(v)), 2, axis=1)
+
+    ring = sharded(lambda q, k, v: ring_attention(q, k, v, "cp", layout="zigzag", block_size=4))
+    ulysses = sharded(lambda q, k, v: alltoall_attention(q, k, v, "cp", layout="zigzag"))
+
+    @jax.jit
+    def run(q, k, v):
+        return [value_and_grads(fn, q, k, v) for fn in (ring, ulysses, kernel_fn("reference", True, False))]
+
+    got_ring, got_ulysses, want = run(q, k, v)
+    assert_tree_allclose(got_ring, want, FP32_RTOL)
+    assert_tree_allclose(got_ulysses, want, FP32_RTOL)
+
+
 def test_ring_with_packed_segments():
     # Packed documents: positions restart per document; zigzag-permuted with the tokens.
     cp, mesh = 4, es.make_mesh("cp=4")

@@ -703,17 +703,23 @@ def context_positions(local_len: int, axis_name: AxisName, *, layout: str = "con
     return jnp.concatenate([i * c + chunk, (2 * n - 1 - i) * c + chunk])
 
 
-def _kv_of(c: _Canon, axis_name) -> tuple[Array, ...]:
-    """The block that travels the ring, typed as varying along the ring's axes (as it arrives)."""
-    return to_varying((c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid), axis_name)
+def _kv_of(c: _Canon, axis_name, segmented: bool) -> tuple[Array, ...]:
+    """The block that travels the ring, typed as varying along the ring's axes (as it arrives).
+
+    Keys, values and their positions, and their segment ids if `segmented`; otherwise
+    the segment ids (all zero) and the padding mask (every device pads alike) are the
+    same on every device and stay local.
+    """
+    kv = (c.k, c.v, c.kv_pos, c.kv_seg) if segmented else (c.k, c.v, c.kv_pos)
+    return to_varying(kv, axis_name)
 
 
 def _with_kv(c: _Canon, kv: tuple[Array, ...]) -> _Canon:
-    k, v, kv_pos, kv_seg, kv_valid = kv
-    return c._replace(k=k, v=v, kv_pos=kv_pos, kv_seg=kv_seg, kv_valid=kv_valid)
+    """`c` with the travelling block's keys, values, positions (and segment ids) replaced."""
+    return c._replace(**dict(zip(("k", "v", "kv_pos", "kv_seg"), kv)))
 
 
-def _ring_forward(c: _Canon, axis_name, causal: bool, scale: float, bq: int, bk: int):
+def _ring_forward(c: _Canon, axis_name, causal: bool, scale: float, bq: int, bk: int, segmented: bool):
     """Ring forward: `(out f32, lse f32, computed block pairs i32[])` on this device.
 
     Step `t` attends to the key/value block of the device `t` places behind; the
@@ -737,24 +743,24 @@ def _ring_forward(c: _Canon, axis_name, causal: bool, scale: float, bq: int, bk:
         out, lse, count = attend(kv, out, lse, count)
         return (nxt, out, lse, count), None
 
-    (kv, out, lse, count), _ = jax.lax.scan(step, (_kv_of(c, axis_name), out, lse, count), None, length=n - 1)
+    (kv, out, lse, count), _ = jax.lax.scan(step, (_kv_of(c, axis_name, segmented), out, lse, count), None, length=n - 1)
     return attend(kv, out, lse, count)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid, axis_name, causal, scale, bq, bk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid, axis_name, causal, scale, bq, bk, segmented):
     c = _Canon(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid)
-    return _ring_forward(c, axis_name, causal, scale, bq, bk)[0].astype(q.dtype)
+    return _ring_forward(c, axis_name, causal, scale, bq, bk, segmented)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid, axis_name, causal, scale, bq, bk):
+def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid, axis_name, causal, scale, bq, bk, segmented):
     c = _Canon(q, k, v, q_pos, kv_pos, q_seg, kv_seg, kv_valid)
-    out, lse, _ = _ring_forward(c, axis_name, causal, scale, bq, bk)
+    out, lse, _ = _ring_forward(c, axis_name, causal, scale, bq, bk, segmented)
     out = out.astype(q.dtype)
     return out, (c, out, lse)
 
 
-def _ring_bwd(axis_name, causal, scale, bq, bk, res, dout):
+def _ring_bwd(axis_name, causal, scale, bq, bk, segmented, res, dout):
     """Ring backward: key/value blocks travel as in the forward pass, each with its
     gradient accumulator, which arrives home after the last step."""
     c, out, lse = res
@@ -775,7 +781,7 @@ def _ring_bwd(axis_name, causal, scale, bq, bk, res, dout):
         dkv, dq = attend(kv, dkv, dq)
         return (nxt, ring_shift(dkv, axis_name, 1), dq), None
 
-    (kv, dkv, dq), _ = jax.lax.scan(step, (_kv_of(c, axis_name), to_varying(dkv, axis_name), to_varying(dq, axis_name)), None, length=n - 1)
+    (kv, dkv, dq), _ = jax.lax.scan(step, (_kv_of(c, axis_name, segmented), to_varying(dkv, axis_name), to_varying(dq, axis_name)), None, length=n - 1)
     dkv, dq = attend(kv, dkv, dq)
     dk, dv = ring_shift(dkv, axis_name, 1)  # the last block's gradients go home
     grads = tuple(_reduce_to(g.astype(x.dtype), x) for g, x in ((dq, c.q), (dk, c.k), (dv, c.v)))
@@ -857,12 +863,13 @@ def ring_attention(
     _check_block(name, "block_size", block_size)
     c = _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
     bs = _ring_blocks(c.q.shape[1], block_size, layout)
-    out = _run_ring(_padded(c, bs, bs), axis_name, causal, _scale(scale, q.shape[-1]), bs)
+    segmented = q_segment_ids is not None
+    out = _run_ring(_padded(c, bs, bs), axis_name, causal, _scale(scale, q.shape[-1]), bs, segmented)
     return out[:, : q.shape[-3]].reshape(q.shape)
 
 
-def _run_ring(c: _Canon, axis_name, causal: bool, scale: float, bs: int) -> Array:
-    out: Any = _ring(*c, axis_name, causal, scale, bs, bs)  # pyright: ignore[reportGeneralTypeIssues]
+def _run_ring(c: _Canon, axis_name, causal: bool, scale: float, bs: int, segmented: bool) -> Array:
+    out: Any = _ring(*c, axis_name, causal, scale, bs, bs, segmented)  # pyright: ignore[reportGeneralTypeIssues]
     return out
 
 
@@ -897,7 +904,7 @@ def ring_attention_block_pairs(
     name = "ring_attention_block_pairs"
     c = _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
     bs = _ring_blocks(c.q.shape[1], block_size, layout)
-    return _ring_forward(_padded(c, bs, bs), axis_name, causal, 1.0, bs, bs)[2]
+    return _ring_forward(_padded(c, bs, bs), axis_name, causal, 1.0, bs, bs, q_segment_ids is not None)[2]
 
 
 def alltoall_attention(
