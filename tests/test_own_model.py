@@ -123,11 +123,12 @@ class Llama(eqx.Module):
 # ---------------------------------------------------------------------------
 
 
-def loss_for(data_axes):
+def loss_for(data_axes, *, unbox=False):
     """The loss a user writes: per-example keys from the global example indices."""
 
     def loss_fn(model, batch, key, *, index):
         keys = example_keys(key, index)  # one key per global example
+        model = es.unbox(model) if unbox else model  # path-ruled: arrays in boxes
         logits = jax.vmap(model)(batch[:, :-1], key=keys)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
         return jax.lax.pmean(ce, data_axes), {}
@@ -163,6 +164,33 @@ def _train(layout, *, grad_accum=1, optimizer=None):
     return state, losses
 
 
+def tp_rules(fsdp):
+    """Megatron's split by path rules: q, k, v, gate and up by rows (output features),
+    o and down by columns; `fsdp` (or `None`) on the other dimension."""
+    return [
+        (r"attn\.w[qkv]\.weight|\.w[13]\.weight|head\.weight", P("tp", fsdp)),
+        (r"attn\.wo\.weight|\.w2\.weight", P(fsdp, "tp")),
+        (r"embed\.weight", P(fsdp, None)),
+    ]
+
+
+def _train_global(layout, *, grad_accum=1):
+    """Tensor parallelism without editing the model: path rules and the global view."""
+    mesh = es.make_mesh(layout)
+    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
+    optimizer = optax.adamw(3e-3)
+    state = init_train_state(lambda k: es.apply_rules(Llama(key=k), tp_rules(fsdp)), optimizer, jax.random.key(0), mesh=mesh)
+    data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
+    step = make_train_step(
+        loss_for((), unbox=True), optimizer, mesh=mesh, batch_spec=P(data), grad_accum=grad_accum, view="global"
+    )
+    losses = []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
 @functools.cache
 def _reference():
     return _train("dp=1")
@@ -175,6 +203,20 @@ def test_a_plain_model_with_dropout_and_micro_batches_trains_as_on_one_device(la
     assert reference[-1] < reference[0]  # it learns
     for step, (a, b) in enumerate(zip(losses, reference)):
         assert rel_err(a, b) <= 1e-6, (layout, step, a, b)
+
+
+@pytest.mark.parametrize("layout", ["dp=4,tp=2", "fsdp=4,tp=2"])
+def test_tensor_parallel_by_path_rules_in_the_global_view(layout):
+    _, reference = _reference()
+    _, losses = _train_global(layout, grad_accum=2)
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert rel_err(a, b) <= 1e-5, (layout, step, a, b)
+
+
+def test_the_global_view_refuses_explicit_axes():
+    mesh = es.make_mesh("dp=4,tp=2", axis_types=jax.sharding.AxisType.Explicit)
+    with pytest.raises(es.LayerConfigError, match="needs a mesh of Auto axes"):
+        make_train_step(loss_for(()), optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"), view="global")
 
 
 def test_dropout_keys_belong_to_the_example():

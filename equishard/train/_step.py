@@ -16,6 +16,7 @@ The step has two phases under one `jax.jit`:
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._errors import LayerConfigError
@@ -264,6 +265,7 @@ def make_train_step(
     grad_accum: int = 1,
     clip_norm: float | None = None,
     donate: bool = True,
+    view: str = "local",
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Array]]]:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
 
@@ -300,6 +302,14 @@ def make_train_step(
     - `grad_accum`: micro-steps per step.
     - `clip_norm`: clip the gradient to this global norm (`None`: no clipping).
     - `donate`: donate the old state's buffers to the new state.
+    - `view`: `"local"` (default): phase 1 as above, inside `shard_map`, for models
+      whose layers communicate (equishard's layers, `FSDP`). `"global"`: phase 1 on
+      the global arrays under `jit`, each array laid out by its spec and XLA (GSPMD)
+      inserting the collectives — the shortest route to tensor parallelism for a model
+      given specs by path rules that has no collectives of its own. `loss_fn` then sees
+      the global batch and returns its mean (a `pmean` over no axes, `()`, is a no-op);
+      `index` is `0, ..., B - 1`. The mesh's axes must be `Auto` (what `make_mesh`
+      builds). See the "Your own model" guide for what each view costs.
 
     **Returns:**
 
@@ -310,6 +320,15 @@ def make_train_step(
     """
     if grad_accum < 1:
         raise LayerConfigError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}.")
+    if view not in ("local", "global"):
+        raise LayerConfigError(f"make_train_step: view must be 'local' or 'global', got {view!r}.")
+    if view == "global" and any(t == AxisType.Explicit for t in mesh.axis_types):
+        raise LayerConfigError(
+            f"make_train_step(view='global') needs a mesh of Auto axes, where XLA chooses "
+            f"the collectives; this mesh's axes are {dict(zip(mesh.axis_names, mesh.axis_types))}. "
+            f"Build it with equishard.make_mesh (Auto by default), or "
+            f"jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)."
+        )
     data_axes = _spec_tree_axes(batch_spec)
     with_index = _takes_index(loss_fn)
     batch_axis = _batch_axis(batch_spec) if with_index else None
@@ -373,17 +392,58 @@ def make_train_step(
             )
         return loss, metrics, global_norm(grads), grads
 
+    def global_gradients(model: PyTree, batch: PyTree, key: PRNGKeyArray) -> Any:
+        batch = shard(batch, mesh, batch_spec)
+        size = jax.tree.leaves(batch)[0].shape[0]
+        index = jnp.arange(size, dtype=jnp.int32)
+        if grad_accum == 1:
+            (loss, metrics), grads = value_and_grad(model, batch, key, index)
+        else:
+            # [B, ...] -> [k, B/k, ...], micro-batch m taking the m-th slice of every
+            # data shard's rows (as the local view does).
+            shards = math.prod(mesh.shape[a] for a in data_axes)
+
+            def split(x: Array) -> Array:
+                if x.shape[0] % (shards * grad_accum):
+                    raise LayerConfigError(
+                        f"make_train_step: the batch of {x.shape[0]} examples does not divide "
+                        f"into {shards} data shards x grad_accum={grad_accum} micro-batches."
+                    )
+                x = x.reshape(shards, grad_accum, x.shape[0] // (shards * grad_accum), *x.shape[1:])
+                return jnp.swapaxes(x, 0, 1).reshape(grad_accum, -1, *x.shape[3:])
+
+            micro = jax.tree.map(split, (batch, index))
+
+            def one(carry: Any, xs: Any) -> Any:
+                i, (part, part_index) = xs
+                part_key = key if with_index else jax.random.fold_in(key, i)
+                (loss, metrics), grads = value_and_grad(model, part, part_key, part_index)
+                return jax.tree.map(lambda c, a: c + a / grad_accum, carry, (loss, metrics, grads)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            (loss, metrics), grads = value_and_grad(model, first[0], key if with_index else jax.random.fold_in(key, 0), first[1])
+            carry = jax.tree.map(lambda a: a / grad_accum, (loss, metrics, grads))
+            rest = (jnp.arange(1, grad_accum), jax.tree.map(lambda x: x[1:], micro))
+            loss, metrics, grads = jax.lax.scan(one, carry, rest)[0]
+        grad_norm = jnp.sqrt(
+            sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads) if eqx.is_inexact_array(g)), jnp.zeros((), jnp.float32))
+        )
+        return loss, metrics, grad_norm, grads
+
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
         key = jax.random.fold_in(state.key, state.step)
-        # The out_specs are known before tracing (the parameters' specs): the body is
-        # traced once.
-        gradients = filter_shard_map(
-            local_gradients,
-            mesh=mesh,
-            in_specs=(None, batch_spec, P()),
-            out_specs=(P(), P(), P(), _gradient_specs(state.model)),
-        )
-        loss, metrics, grad_norm, grads = gradients(state.model, batch, key)
+        if view == "global":
+            loss, metrics, grad_norm, grads = global_gradients(state.model, batch, key)
+        else:
+            # The out_specs are known before tracing (the parameters' specs): the body
+            # is traced once.
+            gradients = filter_shard_map(
+                local_gradients,
+                mesh=mesh,
+                in_specs=(None, batch_spec, P()),
+                out_specs=(P(), P(), P(), _gradient_specs(state.model)),
+            )
+            loss, metrics, grad_norm, grads = gradients(state.model, batch, key)
 
         # Global view from here: `grads` are global arrays in their parameters' boxes.
         if clip_norm is not None:
