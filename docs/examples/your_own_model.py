@@ -153,3 +153,35 @@ for name, layout, grad_accum in [
     state, losses = train(layout, grad_accum)
     print(f"{name:12} grad_accum={grad_accum} losses", " ".join(f"{x:.6f}" for x in losses))
 # --8<-- [end:train]
+
+
+# --8<-- [start:tp]
+def tp_rules(layout):
+    """Megatron's split: q, k, v, gate, up and the head by output features over tp;
+    o and down by input features; fsdp (if any) on the other dimension."""
+    fsdp = "fsdp" if "fsdp" in layout else None
+    return [
+        (r"attn\.w[qkv]\.weight|\.(up|gate)\.weight|head\.weight", P("tp", fsdp)),
+        (r"attn\.wo\.weight|\.down\.weight", P(fsdp, "tp")),
+        (r"embed\.weight", P(fsdp, None)),
+    ]
+
+
+def global_loss(model, batch, key, *, index):
+    keys = example_keys(key, index)  # index: 0, ..., B - 1 in the global view
+    logits = jax.vmap(es.unbox(model))(batch[:, :-1], key=keys)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean(), {}
+
+
+for layout in ["dp=4,tp=2", "fsdp=4,tp=2"]:
+    mesh = es.make_mesh(layout)
+    data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
+    make = lambda k: es.apply_rules(Model(key=k), tp_rules(layout))  # noqa: E731
+    state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(global_loss, optimizer, mesh=mesh, batch_spec=P(data), view="global")
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    print(f"{layout:12} global view  losses", " ".join(f"{x:.6f}" for x in losses))
+# --8<-- [end:tp]
