@@ -378,7 +378,7 @@ def test_zigzag_helpers():
     # Inside shard_map each device's positions are its slots' tokens.
     mesh = es.make_mesh("cp=4")
     for layout, want in (("zigzag", idx), ("contiguous", np.arange(16))):
-        fn = jax.shard_map(lambda: context_positions(4, "cp", layout=layout), mesh=mesh, in_specs=(), out_specs=P("cp"))
+        fn = jax.shard_map(lambda layout=layout: context_positions(4, "cp", layout=layout), mesh=mesh, in_specs=(), out_specs=P("cp"))
         np.testing.assert_array_equal(jax.jit(fn)(), want)
 
 
@@ -391,7 +391,7 @@ def test_zigzag_balances_causal_work():
     counts = {}
     for layout in ("contiguous", "zigzag"):
         fn = jax.shard_map(
-            lambda q, k, v: ring_attention_block_pairs(q, k, v, "cp", layout=layout, block_size=8)[None],
+            lambda q, k, v, layout=layout: ring_attention_block_pairs(q, k, v, "cp", layout=layout, block_size=8)[None],
             mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=P("cp"),
         )  # fmt: skip
         counts[layout] = np.asarray(jax.jit(fn)(q, k, v))
@@ -494,7 +494,7 @@ def test_ring_memory_scales_with_one_over_cp():
     # S = 4096, 8 query heads and 1 key/value head of 64, blocks of 32. The formula:
     # the cp = 1 temporaries divided by cp, plus the two blocks in flight on the ring (the
     # next K and V, each f32[S/cp, kv_heads, head_dim]) when cp > 1.
-    shape = dict(seq=4096, heads=8, kv_heads=1, head_dim=64, block=32)
+    shape = {"seq": 4096, "heads": 8, "kv_heads": 1, "head_dim": 64, "block": 32}
     temps = {cp: ring_temp_bytes(cp, **shape) for cp in (1, 2, 4, 8)}
     for cp, measured in temps.items():
         in_flight = 2 * (4096 // cp) * 1 * 64 * 4 if cp > 1 else 0

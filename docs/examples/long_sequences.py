@@ -100,7 +100,7 @@ mesh8 = es.make_mesh("cp=8")
 q, k, v = qkv(512)
 for layout in ("contiguous", "zigzag"):
     count = jax.shard_map(
-        lambda q, k, v: ring_attention_block_pairs(q, k, v, "cp", layout=layout, block_size=8)[None],
+        lambda q, k, v, layout=layout: ring_attention_block_pairs(q, k, v, "cp", layout=layout, block_size=8)[None],
         mesh=mesh8, in_specs=(seq_spec,) * 3, out_specs=P("cp"),
     )  # fmt: skip
     pairs = np.asarray(jax.jit(count)(q, k, v))

@@ -571,10 +571,10 @@ def attention(
         raise LayerConfigError(
             f"attention: implementation={implementation!r}; expected one of {_IMPLEMENTATIONS}."
         )
-    masks = dict(
-        q_positions=q_positions, kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    )  # fmt: skip
+    masks = {
+        "q_positions": q_positions, "kv_positions": kv_positions,
+        "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
+    }  # fmt: skip
     explicit = any(x is not None for x in masks.values())
     if implementation is None:
         if cudnn_supported(q, k, causal=causal, positions=explicit):
