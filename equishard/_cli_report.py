@@ -84,9 +84,64 @@ def _compile_report(args: argparse.Namespace, num_devices: int) -> tuple[Any, di
     return report, facts, layout
 
 
+def _load_factory(spec: str) -> Any:
+    """The callable `module:factory` names (the module imported from `sys.path` and the
+    current directory)."""
+    import importlib
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise LayerConfigError(f"--model {spec!r}: cannot import module {module_name!r} ({err}).") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise LayerConfigError(f"--model {spec!r}: module {module_name!r} has no callable {attr!r}.")
+    return factory
+
+
+def _user_report(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
+    """Compile a user's own train step: `factory(layout) -> dict` (see `inspect --help`)."""
+    import jax
+    import optax
+
+    from .report import report as read_report
+    from .sharding import make_mesh, param_table
+    from .train import init_train_state, make_train_step
+
+    factory = _load_factory(args.model)
+    devices = _cpu_devices(args.devices)
+    mesh = make_mesh(args.layout, devices=devices)
+    parts = factory(args.layout)
+    missing = {"make_model", "loss_fn", "batch", "batch_spec"} - set(parts)
+    if missing:
+        raise LayerConfigError(
+            f"--model {args.model!r}: the factory's dict lacks {sorted(missing)} (it gives "
+            f"make_model, loss_fn, batch, batch_spec and optionally optimizer, view)."
+        )
+    optimizer = parts.get("optimizer") or optax.adamw(1e-3)
+    state = init_train_state(parts["make_model"], optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(
+        parts["loss_fn"], optimizer, mesh=mesh, batch_spec=parts["batch_spec"], view=parts.get("view", "local")
+    )
+    start = time.perf_counter()
+    lowered = step.lower(state, parts["batch"])
+    traced = time.perf_counter()
+    compiled = lowered.compile()
+    facts = {"lower_seconds": traced - start, "compile_seconds": time.perf_counter() - traced}
+    description = f"{args.model}; layout {args.layout} on {args.devices} CPU devices"
+    return read_report(compiled, mesh=mesh, params=param_table(state.model, mesh), description=description), facts
+
+
 def _inspect(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    report, facts, _ = _compile_report(args, args.devices)
+    if ":" in args.model:
+        report, facts = _user_report(args)
+    else:
+        report, facts, _ = _compile_report(args, args.devices)
     if not args.params:
         report = dataclasses.replace(report, params=())
     print(report)
@@ -179,7 +234,15 @@ def add_report_parsers(sub: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="small", help=f"model preset: {names}")
+    p.add_argument(
+        "--model",
+        default="small",
+        help=(
+            f"model preset: {names}; or your own model as module:factory, where "
+            f"factory(layout) returns a dict with make_model (key -> model), loss_fn, batch, "
+            f"batch_spec and optionally optimizer and view, as make_train_step takes them"
+        ),
+    )
     p.add_argument("--layout", default="dp=2,fsdp=2,tp=2", help="mesh axes, e.g. 'fsdp=4,tp=2' (dp, fsdp, tp, ep, pp)")
     p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate; the layout must use them all")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 
 import equinox as eqx
@@ -269,3 +270,26 @@ def test_a_path_rule_that_matches_nothing_warns_or_raises():
     assert ruled.blocks[0].attn.wq.weight.spec == P("tp", None)
     with pytest.raises(es.SpecError, match="match no array path"):
         es.apply_rules(model, rules, strict=True)
+
+
+def inspect_factory(layout):
+    """What `equishard inspect --model tests.test_own_model:inspect_factory` compiles."""
+    data = tuple(a for a in es.parse_layout(layout) if a in ("dp", "fsdp"))
+    wrap = (lambda m: es.nn.fsdp_wrap(m, "fsdp", policy=fsdp_policy)) if "fsdp" in data else (lambda m: m)
+    return {
+        "make_model": lambda k: wrap(Llama(key=k)),
+        "loss_fn": loss_for(data),
+        "batch": _batches()[0],
+        "batch_spec": P(data),
+    }
+
+
+def test_inspect_reports_a_users_own_model(capsys):
+    from equishard._cli import main
+
+    assert main(["inspect", "--model", "tests.test_own_model:inspect_factory", "--layout", "fsdp=8"]) == 0
+    out = capsys.readouterr().out
+    assert "tests.test_own_model:inspect_factory; layout fsdp=8 on 8 CPU devices" in out
+    table = out.split("Collectives per step")[1]
+    assert re.search(r"all-gather +fsdp +8", table) and re.search(r"reduce-scatter +fsdp +8", table)
+    assert "blocks[0].module.attn.wq.weight" in out  # the per-parameter table
