@@ -346,6 +346,31 @@ def test_context_parallel_inside_dp_cp_tp():
     assert_tree_allclose(got_ulysses, want, FP32_RTOL)
 
 
+def test_ring_padded_blocks_unchecked_and_over_an_axis_tuple():
+    # On dp=2,cp=4: 40 tokens over cp, 10 per device in blocks of 4 (padded inside),
+    # without the varying-axes check; and a ring over the combined axis ("cp", "dp"),
+    # 5 tokens per device.
+    q, k, v = qkv(b=2, s=40)
+    mesh2 = es.make_mesh("dp=2,cp=4")
+    batch_spec, tuple_spec = P("dp", "cp", None, None), P(None, ("cp", "dp"), None, None)
+    unchecked = jax.shard_map(
+        lambda q, k, v: ring_attention(q, k, v, "cp", block_size=4),
+        mesh=mesh2, in_specs=(batch_spec,) * 3, out_specs=batch_spec, check_vma=False,
+    )  # fmt: skip
+    over_tuple = jax.shard_map(
+        lambda q, k, v: ring_attention(q, k, v, ("cp", "dp"), block_size=4),
+        mesh=mesh2, in_specs=(tuple_spec,) * 3, out_specs=tuple_spec,
+    )  # fmt: skip
+
+    @jax.jit
+    def run(q, k, v):
+        return [value_and_grads(fn, q, k, v) for fn in (unchecked, over_tuple, kernel_fn("reference", True, False))]
+
+    got_unchecked, got_tuple, want = run(q, k, v)
+    assert_tree_allclose(got_unchecked, want, FP32_RTOL)
+    assert_tree_allclose(got_tuple, want, FP32_RTOL)
+
+
 def test_ring_with_packed_segments():
     # Packed documents: positions restart per document; zigzag-permuted with the tokens.
     cp, mesh = 4, es.make_mesh("cp=4")
