@@ -293,3 +293,18 @@ def test_inspect_reports_a_users_own_model(capsys):
     table = out.split("Collectives per step")[1]
     assert re.search(r"all-gather +fsdp +8", table) and re.search(r"reduce-scatter +fsdp +8", table)
     assert "blocks[0].module.attn.wq.weight" in out  # the per-parameter table
+
+
+def test_unbox_of_gather_gives_back_the_plain_model():
+    """An FSDP-wrapped (and a path-ruled) model comes back as the model it was written
+    as, callable on one device with the same output."""
+    mesh = es.make_mesh("fsdp=8")
+    original = Llama(key=jax.random.key(0))
+    wrapped = es.sharded_init(lambda k: es.nn.fsdp_wrap(Llama(key=k), "fsdp", policy=fsdp_policy), jax.random.key(0), mesh=mesh)
+    ruled = es.shard(es.apply_rules(original, tp_rules("fsdp")[:1] + [(r"attn\.wo", P("fsdp"))]), es.make_mesh("fsdp=4,tp=2"))
+    tokens, key = _batches()[0][0, :-1], jax.random.key(1)
+    want = original(tokens, key=key)
+    for model in (wrapped, ruled):
+        plain = es.unbox(es.gather(model))
+        assert jax.tree.structure(plain) == jax.tree.structure(original)
+        assert rel_err(plain(tokens, key=key), want) <= 1e-6

@@ -357,6 +357,10 @@ class FSDP(eqx.Module):
         self.regather = regather
         self.mean_grads = mean_grads
 
+    def __unbox__(self) -> PyTree:
+        """The wrapped module, for `equishard.unbox` (its arrays still in their boxes)."""
+        return self.module
+
     def _config(self) -> _GatherConfig:
         return _GatherConfig(
             self.axis_name, self.gather_dtype, self.grad_scatter_dtype, self.mean_grads

@@ -87,9 +87,22 @@ def unbox(tree: PyTree) -> PyTree:
 
     **Returns:**
 
-    The same pytree with each box replaced by its `value`.
+    The same pytree with each box replaced by its `value`, and each wrapper that
+    defines `__unbox__` (`equishard.nn.FSDP`) replaced by the plain module it wraps:
+    `unbox(gather(model))` of an FSDP-wrapped model is the model as it was written.
     """
-    return jax.tree.map(lambda x: x.value if is_sharded(x) else x, tree, is_leaf=is_sharded)
+
+    def opens(x: Any) -> bool:
+        return is_sharded(x) or callable(getattr(x, "__unbox__", None))
+
+    def open_(x: Any) -> Any:
+        if is_sharded(x):
+            return x.value
+        if callable(getattr(x, "__unbox__", None)):
+            return unbox(x.__unbox__())
+        return x
+
+    return jax.tree.map(open_, tree, is_leaf=opens)
 
 
 def box(tree: PyTree, specs: PyTree) -> PyTree:
