@@ -212,6 +212,31 @@ def gspmd_side(es: dict[str, Any], layout: Any, batch_host: Any) -> dict[str, An
 # ------------------------------------------------------------------------- timing
 
 
+def _pairs(a: Any, b: Any, repeats: int, warmup: int = 2) -> tuple[list[float], list[float]]:
+    """`repeats` interleaved pairs of timed calls, the order alternating (a b, b a, ...)
+    so that neither side always runs right after the other; `warmup` pairs first."""
+    for _ in range(warmup):
+        a(), b()
+    a_times, b_times = [], []
+    for i in range(repeats):
+        if i % 2:
+            b_times.append(b())
+            a_times.append(a())
+        else:
+            a_times.append(a())
+            b_times.append(b())
+    return a_times, b_times
+
+
+def cost(compiled: Any) -> dict[str, float]:
+    """The compiler's cost analysis of a program: flops, transcendentals, bytes accessed."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else {}
+    keys = ("flops", "transcendentals", "bytes accessed")
+    return {k: float(analysis.get(k, 0.0)) for k in keys}
+
+
 def _time_interleaved(es: dict[str, Any], gs: dict[str, Any], repeats: int) -> dict[str, Any]:
     """Warm up both, then alternate single steps; median times and the first losses."""
     import jax
@@ -234,10 +259,7 @@ def _time_interleaved(es: dict[str, Any], gs: dict[str, Any], repeats: int) -> d
     first_es = es["last"]
     gs_step()
     first_gs = gs["last"]
-    es_times, gs_times = [], []
-    for _ in range(repeats):
-        es_times.append(es_step())
-        gs_times.append(gs_step())
+    es_times, gs_times = _pairs(es_step, gs_step, repeats)
     return {
         "equishard_step_s": statistics.median(es_times),
         "gspmd_step_s": statistics.median(gs_times),
@@ -297,6 +319,8 @@ def bench_layout(spec: str, moe: bool, options: dict[str, Any], repeats: int) ->
         "equishard_over_ideal": es_report.collective_bytes / minimum.ideal_total,
         "equishard_memory": _memory(es["compiled"]),
         "gspmd_memory": _memory(gs["compiled"]),
+        "equishard_cost": cost(es["compiled"]),
+        "gspmd_cost": cost(gs["compiled"]),
         "equishard_lower_s": es["lower_s"],
         "equishard_compile_s": es["compile_s"],
         "gspmd_lower_s": gs["lower_s"],
@@ -408,10 +432,7 @@ def bench_single_device(repeats: int) -> dict[str, Any]:
 
     run_es()
     run_plain()
-    es_times, p_times = [], []
-    for _ in range(repeats):
-        es_times.append(run_es())
-        p_times.append(run_plain())
+    es_times, p_times = _pairs(run_es, run_plain, repeats)
     result = {
         "equishard_step_s": statistics.median(es_times),
         "plain_step_s": statistics.median(p_times),
@@ -423,6 +444,8 @@ def bench_single_device(repeats: int) -> dict[str, Any]:
         "plain_compile_s": p_compile_s,
         "equishard_memory": _memory(es_compiled),
         "plain_memory": _memory(p_compiled),
+        "equishard_cost": cost(es_compiled),
+        "plain_cost": cost(p_compiled),
     }
     result["overhead"] = result["equishard_step_s"] / result["plain_step_s"]
     print(

@@ -14,7 +14,7 @@ and on a mesh without some axis the layers that would use it compute locally.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -247,6 +247,11 @@ class GPT(eqx.Module):
     head: ColumnParallelLinear | None
     config: GPTConfig = eqx.field(static=True)
     parallelism: Parallelism = eqx.field(static=True)
+
+    after_pipeline: ClassVar[tuple[str, ...]] = ("norm", "head")
+    """The fields run after the blocks: with a pipeline axis they are replicated over the
+    stages and every stage runs them (on its mostly-zero pipeline output), so their
+    gradients are summed over the stages too (see `equishard.report.gpt_minimum`)."""
 
     def __init__(
         self, config: GPTConfig, parallelism: Parallelism = Parallelism(), *, key: PRNGKeyArray

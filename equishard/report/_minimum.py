@@ -85,7 +85,8 @@ from ..core import expert_capacity
 from .._text import human_bytes, text_table
 from ..models import GPT, GPTConfig
 from ..models._gpt import canonical_path
-from ..sharding import Layout, ParamRow
+from ..nn import RMSNorm
+from ..sharding import Layout, ParamRow, is_sharded, path_str
 from ..sharding._specs import leaves_with_specs, spec_axes
 
 __all__ = [
@@ -345,16 +346,44 @@ def _is_unit(path: str) -> bool:
     return canonical_path("." + path).startswith(".units.")
 
 
-def _gradient_axes(row: ParamRow, s: _Setting) -> list[tuple[str, ...]]:
+def _gradient_roles(model: GPT) -> dict[str, frozenset[str]]:
+    """The parameters' paths, each with what the model's structure says of its uses.
+
+    `"norm"`: a parameter of an `RMSNorm` (under sequence parallelism its input is split
+    over the sequence on `tp`); `"after_pipeline"`: of a field the GPT declares in
+    `GPT.after_pipeline`; `"tied_embedding"`: the embedding a tied GPT also uses as its
+    head.
+    """
+    roles: dict[str, set[str]] = {}
+
+    def mark(prefix: tuple[Any, ...], sub: Any, role: str) -> None:
+        for path, _ in jax.tree_util.tree_flatten_with_path(sub, is_leaf=is_sharded)[0]:
+            roles.setdefault(path_str((*prefix, *path)), set()).add(role)
+
+    is_norm = lambda x: isinstance(x, RMSNorm)  # noqa: E731
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: is_norm(x) or is_sharded(x))
+    for path, leaf in found[0]:
+        if is_norm(leaf):
+            mark(path, leaf, "norm")
+    for path, _ in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_sharded)[0]:
+        field = getattr(path[0], "name", None)
+        if field in type(model).after_pipeline:
+            roles.setdefault(path_str(path), set()).add("after_pipeline")
+        if field == "embed" and model.config.tied:
+            roles.setdefault(path_str(path), set()).add("tied_embedding")
+    return {path: frozenset(r) for path, r in roles.items()}
+
+
+def _gradient_axes(row: ParamRow, s: _Setting, roles: frozenset[str]) -> list[tuple[str, ...]]:
     """The axes of each all-reduce of a parameter's gradient (see the module docs)."""
     split = set(spec_axes(row.spec))
     axes = set(s.data_axes)
-    if s.sequence_parallel and "norm" in row.path.rsplit(".", 2)[-2]:
+    if s.sequence_parallel and "norm" in roles:
         axes.add("tp")
     groups = [axes]
-    if s.stages > 1 and row.path.startswith(("norm.", "head.")):
+    if s.stages > 1 and "after_pipeline" in roles:
         axes.add("pp")
-    elif s.stages > 1 and s.config.tied and row.path.startswith("embed."):
+    elif s.stages > 1 and "tied_embedding" in roles:
         # The head's use is summed over the stages first; the lookup's is the same on
         # every stage, so the total is then summed over the data axes alone.
         groups.insert(0, {"pp"})
@@ -362,7 +391,9 @@ def _gradient_axes(row: ParamRow, s: _Setting) -> list[tuple[str, ...]]:
     return [g for g in out if g]
 
 
-def _parameter_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
+def _parameter_terms(
+    rows: Sequence[ParamRow], s: _Setting, roles: Mapping[str, frozenset[str]]
+) -> list[Term]:
     terms: list[Term] = []
     fsdp = s.sizes.get("fsdp", 1)
     if fsdp > 1:
@@ -389,7 +420,7 @@ def _parameter_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
         )
     groups: dict[tuple[str, ...], float] = {}
     for r in rows:
-        for axes in _gradient_axes(r, s):
+        for axes in _gradient_axes(r, s, roles.get(r.path, frozenset())):
             groups[axes] = groups.get(axes, 0.0) + r.bytes_per_device
     for axes, stored in groups.items():
         n = s.size(axes)
@@ -577,12 +608,18 @@ def gpt_param_rows(config: GPTConfig, layout: Layout, num_devices: int | None = 
     `equishard.sharding.ParamRow`s (path, global shape, spec, bytes per device); nothing
     is allocated and no devices are needed.
     """
+    model, axes = _abstract_gpt(config, layout, num_devices)
+    return _param_rows(model, axes)
+
+
+def _abstract_gpt(config: GPTConfig, layout: Layout, num_devices: int | None) -> tuple[GPT, dict[str, int]]:
+    """The GPT under `layout` as shapes (no devices needed), and the layout's axes."""
     axes = layout.axes(num_devices if num_devices is not None else _layout_size(layout))
     mesh = AbstractMesh(tuple(axes.values()), tuple(axes))
     par = layout.parallelism(math.prod(axes.values()))
     with jax.sharding.use_abstract_mesh(mesh):
         model = eqx.filter_eval_shape(lambda: GPT(config, par, key=jax.random.key(0)))
-    return _param_rows(model, axes)
+    return model, axes
 
 
 def _param_rows(tree: Any, sizes: Mapping[str, int]) -> list[ParamRow]:
@@ -643,10 +680,11 @@ def gpt_minimum(
     """
     devices = num_devices if num_devices is not None else _layout_size(layout)
     s = _setting(config, layout, batch_size, seq_len, devices)
+    model, axes = _abstract_gpt(config, layout, devices)
     if rows is None:
-        rows = gpt_param_rows(config, layout, devices)
+        rows = _param_rows(model, axes)
     terms = [
-        *_parameter_terms(rows, s),
+        *_parameter_terms(rows, s, _gradient_roles(model)),
         *_tensor_terms(s),
         *_expert_terms(s),
         *_pipeline_terms(s),
