@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def reference_attention(q, k, v, *, causal=True, q_pos=None, kv_pos=None, q_seg=
     mask = jnp.ones((sq, sk), bool)
     if causal:
         mask = kv_pos[..., None, :] <= q_pos[..., :, None]
-    if q_seg is not None:
+    if q_seg is not None and kv_seg is not None:
         mask = mask & (q_seg[..., :, None] == kv_seg[..., None, :])
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(q.shape[-1])
     scores = jnp.where(mask[..., None, :, :], scores, -jnp.inf)
