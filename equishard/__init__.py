@@ -13,6 +13,7 @@ from ._errors import (
     LayerConfigError as LayerConfigError,
     MeshError as MeshError,
     SpecError as SpecError,
+    TrainingError as TrainingError,
 )
 from .sharding import (
     Layout as Layout,

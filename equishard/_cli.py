@@ -24,6 +24,15 @@ def _use_cpu_devices(n: int) -> None:
         pass
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse counts below 1 before any command starts JAX or a process."""
+    from ._errors import EquishardError
+
+    devices = getattr(args, "devices", None)
+    if devices is not None and devices < 1:
+        raise EquishardError(f"--devices must be at least 1, got {devices}.")
+
+
 def _demo(args: argparse.Namespace) -> int:
     _use_cpu_devices(args.devices)
 
@@ -110,6 +119,9 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: <run-dir>/checkpoints)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save a checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any layout)")
+    p.add_argument("--resume-step", type=int, default=None, help="continue from this checkpoint step instead of the latest (implies --resume)")
+    p.add_argument("--max-skipped-steps", type=int, default=d.max_skipped_steps, help="stop with an error after this many consecutive steps skipped as non-finite")
+    p.add_argument("--no-verify-checkpoints", dest="verify_checkpoints", action="store_false", help="neither record nor check the arrays' checksums in checkpoints")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation and of the data order")
     p.add_argument("--run-dir", default=d.run_dir, help="where metrics.jsonl and loss.png go")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"), help="compute dtype (master weights stay float32)")
@@ -149,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._errors import EquishardError
 
     try:
+        _check_counts(args)
         return args.run(args)
     except EquishardError as err:
         # A clear one-paragraph message, no traceback from inside JAX.

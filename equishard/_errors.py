@@ -38,3 +38,7 @@ class ConventionError(EquishardError):
     `shard_module_params`, `sync_gradients`) need `shard_map(..., check_vma=False)`;
     equishard's own functions differentiate the global loss with the check on.
     """
+
+
+class TrainingError(EquishardError):
+    """A run cannot go on: its steps keep producing non-finite values."""

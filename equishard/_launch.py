@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -288,6 +289,12 @@ def _launch(args: argparse.Namespace) -> int:
         raise EquishardError(
             f"--devices {args.devices} does not split evenly over {args.num_processes} "
             f"processes; give a multiple of -n."
+        )
+    program = child_command(command)[0]
+    if shutil.which(program) is None:
+        raise EquishardError(
+            f"cannot launch {command[0]!r}: no such program ({program} is not an executable "
+            f"file, nor a command on PATH)."
         )
     launcher = Launcher(command, args.num_processes, devices=args.devices, grace=args.grace)
     return launcher.run()

@@ -3,6 +3,7 @@ failed background writes, and shapes or specs that do not fit."""
 
 import errno
 import gc
+import json
 import os
 import pathlib
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -160,8 +162,9 @@ def test_a_failed_background_write_raises_at_the_next_poll(tmp_path, monkeypatch
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", full_disk)
     ckpt.save(2, states[2])
     with pytest.raises(es.CheckpointError) as info:
-        for _ in range(10_000):  # the next training steps
+        for _ in range(60_000):  # the next training steps, until the write has failed
             ckpt.poll()
+            time.sleep(0.001)
     message = str(info.value)
     assert "step 2" in message and "No space left on device" in message
     assert "untouched: [1]" in message and "\n" not in message
@@ -194,6 +197,8 @@ def _as_nobody(script, *args):
         import os, sys
         os.environ["JAX_PLATFORMS"] = "cpu"
         import equishard.train._checkpoint
+        from equishard._app import load_stdlib_corpus
+        load_stdlib_corpus()  # cached: the interpreter's files are root's here
         if os.geteuid() == 0:
             os.setgid(65534)
             os.setuid(65534)
@@ -305,3 +310,199 @@ def test_a_run_killed_during_a_save_resumes_verified(tmp_path):
             ckpt.save(4, _state(4, mesh, P(None, "tp")))
         leftovers = [p.name for p in directory.iterdir() if not p.name.isdigit()]
         assert leftovers == [], (point, leftovers)
+
+
+# ---------------------------------------------------------------------------------------
+# The command line: one-line errors (exit 2) before anything is compiled
+# ---------------------------------------------------------------------------------------
+
+TRAIN = [
+    "train", "--model", "tiny", "--layout", "dp=2,fsdp=2,tp=2", "--batch-size", "8",
+    "--seq-len", "32", "--eval-every", "2", "--sample-bytes", "0", "--no-progress", "--no-plot",
+]  # fmt: skip
+
+
+def _one_line_error(capsys):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--pipeline-repeats", "0", "--layout", "pp=2,dp=4"], "pipeline_repeats (--pipeline-repeats) must be at least 1, got 0"),
+        (["--microbatches", "0", "--layout", "pp=2,dp=4"], "num_microbatches (--microbatches) must be at least 1, got 0"),
+        (["--devices", "0"], "--devices must be at least 1, got 0"),
+        (["--warmup", "-5"], "--warmup must be 0 or more, got -5"),
+        (["--lr", "-0.001"], "--lr must be a finite number above 0, got -0.001"),
+        (["--lr", "nan"], "--lr must be a finite number above 0, got nan"),
+        (["--lr", "inf"], "--lr must be a finite number above 0, got inf"),
+        (["--max-skipped-steps", "0"], "--max-skipped-steps must be at least 1, got 0"),
+    ],
+)
+def test_bad_train_options_are_refused(argv, message, tmp_path, capsys):
+    from equishard._cli import main
+
+    assert main([*TRAIN, "--run-dir", str(tmp_path / "run"), *argv]) == 2
+    assert message in _one_line_error(capsys)
+    assert not (tmp_path / "run").exists()  # found before anything was written
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["plan", "--model", "tiny", "--layout", "dp=2", "--devices", "0"], "--devices must be at least 1, got 0"),
+        (["inspect", "--model", "tiny", "--layout", "pp=2,dp=4", "--pipeline-repeats", "0"], "must be at least 1, got 0"),
+        (["launch", "-n", "2", "--", "/missing/program"], "cannot launch '/missing/program': no such program"),
+    ],
+)
+def test_bad_options_of_the_other_commands(argv, message, capsys):
+    from equishard._cli import main
+
+    assert main(argv) == 2
+    assert message in _one_line_error(capsys)
+
+
+def test_unusable_run_and_checkpoint_directories(tmp_path, capsys):
+    from equishard._cli import main
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert main([*TRAIN, "--run-dir", str(a_file)]) == 2
+    assert f"the run directory (--run-dir) {a_file} is a file" in _one_line_error(capsys)
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--run-dir", str(run), "--checkpoint-dir", str(a_file)]) == 2
+    assert f"the checkpoint directory {a_file} is a file" in _one_line_error(capsys)
+
+
+def test_read_only_checkpoints_with_resume_fail_at_once(open_tmp):
+    read_only = open_tmp / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    (open_tmp / "run").mkdir()
+    os.chown(open_tmp / "run", 65534, 65534)  # the run directory is writable, the other not
+    result = _as_nobody(
+        """
+        import jax
+        jax.config.update("jax_num_cpu_devices", 8)
+        from equishard._cli import main
+        sys.exit(main(sys.argv[1:]))
+        """,
+        *TRAIN, "--steps", "2", "--run-dir", open_tmp / "run", "--checkpoint-dir", read_only, "--resume",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"the checkpoint directory {read_only} is not usable: Permission denied" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A finished two-step run with checkpoints at steps 1 and 2."""
+    from equishard._cli import main
+
+    run = tmp_path_factory.mktemp("reliability") / "run"
+    assert main([*TRAIN, "--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run)]) == 0
+    return run
+
+
+def test_resume_past_steps_says_so(two_steps, tmp_path, capsys):
+    from equishard._cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    assert main([*TRAIN, "--steps", "2", "--run-dir", str(run), "--resume"]) == 2
+    assert "is at step 2, and --steps is 2: nothing is left to train" in _one_line_error(capsys)
+
+
+def test_resume_over_another_corpus_is_refused(two_steps, tmp_path, capsys):
+    from equishard._cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    meta = run / "checkpoints" / "1" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    record["user"]["corpus"]["sha256"] = "0" * 64
+    meta.write_text(json.dumps(record))
+    assert main([*TRAIN, "--steps", "3", "--run-dir", str(run), "--resume-step", "1"]) == 2
+    message = _one_line_error(capsys)
+    assert "step 1" in message and "another corpus" in message and "sha256 000000000000" in message
+
+
+def test_too_many_skipped_steps_stop_the_run(tmp_path, capsys, monkeypatch):
+    from equishard._app import _run
+    from equishard._cli import main
+
+    make = _run.make_train_step
+
+    def poisoned(loss_fn, *args, **kwargs):
+        def nan_loss(model, batch, key):
+            loss, metrics = loss_fn(model, batch, key)
+            return loss * jnp.nan, metrics
+
+        return make(nan_loss, *args, **kwargs)
+
+    monkeypatch.setattr(_run, "make_train_step", poisoned)
+    run = tmp_path / "run"
+    argv = [*TRAIN, "--steps", "6", "--max-skipped-steps", "3", "--checkpoint-every", "1"]
+    assert main([*argv, "--run-dir", str(run)]) == 2
+    message = _one_line_error(capsys)
+    assert "steps 1 to 3 were all skipped (3 in a row, --max-skipped-steps)" in message
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows if "skipped" in r] == [1.0, 1.0, 1.0]
+    # A skipped step consumes its batch: the saved data position moved on with the steps.
+    with Checkpointer(run / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [1, 2]
+        meta = ckpt.read_metadata(2)
+    assert meta["step"] == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Library mistakes named before JAX sees them
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn,out_specs,message",
+    [
+        (lambda x: x * 2, P(), "output `<root>` (local shape (4, 4)) with out_spec P() on Mesh('dp': 2, 'tp': 4): the value varies over 'dp'"),
+        (lambda x: {"a": x, "b": x.sum()}, {"a": P("dp"), "b": P()}, "output `['b']` (local shape ())"),
+        (lambda x: x * 2, P("xx"), "out_specs P('xx',): axis 'xx' is not an axis of the mesh"),
+        (lambda x: x * 2, P("dp", None, None), "the spec has 3 entries but the output has only 2 dimensions"),
+        (lambda x: x * 2, (P("dp"), P()), "do not match the structure of the outputs"),
+    ],
+)
+def test_out_specs_are_checked(fn, out_specs, message):
+    mesh = es.make_mesh("dp=2,tp=4")
+    with pytest.raises(es.SpecError) as info:
+        mapped = es.filter_shard_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=out_specs)
+        jax.jit(mapped)(jnp.ones((8, 4)))
+    assert message in str(info.value)
+    assert "check_vma" not in str(info.value)
+    if "varies" in message:
+        assert "`jax.lax.psum` or `jax.lax.pmean` over 'dp'" in str(info.value)
+
+
+def test_a_reduced_output_passes():
+    mesh = es.make_mesh("dp=2,tp=4")
+    mapped = es.filter_shard_map(
+        lambda x: jax.lax.psum(x.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P()
+    )
+    assert float(jax.jit(mapped)(jnp.ones((8, 4)))) == 32.0
+
+
+@pytest.mark.parametrize("name", ["ring_shift", "mp_copy", "mp_reduce", "mp_scatter", "mp_gather"])
+def test_collectives_on_an_unbound_axis_name_it(name):
+    fn = getattr(es.core, name)
+    mesh = es.make_mesh("dp=2,tp=4")
+    with pytest.raises(es.MeshError, match=f"{name}: the axis 'tp' is not bound here; no mesh axis"):
+        fn(jnp.ones(8), axis_name="tp")
+    mapped = es.filter_shard_map(lambda x: fn(x, axis_name="pp"), mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    with pytest.raises(es.MeshError) as info:
+        jax.jit(mapped)(jnp.ones(8))
+    assert f"{name}: the axis 'pp' is not bound here; the bound mesh axes are ('dp', 'tp')" in str(
+        info.value
+    )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import pathlib
 import sysconfig
 from collections.abc import Sequence
@@ -159,6 +160,28 @@ class ByteCorpus:
             train=_readonly(np.frombuffer(train, dtype=np.uint8).copy()),
             val=_readonly(np.frombuffer(val, dtype=np.uint8).copy()),
         )
+
+
+def corpus_identity(*, val_every: int = VAL_EVERY) -> dict[str, object]:
+    """What a checkpoint records of the corpus it was trained on, to refuse resuming on another.
+
+    **Arguments:**
+
+    - `val_every`: the validation split's rule (see `load_stdlib_corpus`).
+
+    **Returns:**
+
+    `{"files": count, "bytes": size, "sha256": hash of the concatenated bytes,
+    "val_every": val_every}`: two Pythons whose standard libraries differ give
+    different identities (and different batches at the same data position).
+    """
+    data = stdlib_corpus()
+    return {
+        "files": len(stdlib_files()),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "val_every": val_every,
+    }
 
 
 def load_stdlib_corpus(*, val_every: int = VAL_EVERY) -> ByteCorpus:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -25,14 +26,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._errors import CheckpointError, LayerConfigError
+from .._errors import CheckpointError, LayerConfigError, TrainingError
 from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
 from ..models import GPT, PRESETS, cast_floating, count_parameters
 from ..models._gpt import canonical_path, to_single_device
 from ..sharding import Layout, filter_shard_map, format_param_table, gather
 from ..train import TrainState, export_model, init_train_state, make_train_step
-from ._data import ByteCorpus, get_batch, load_stdlib_corpus
+from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
 
 if TYPE_CHECKING:
     from ..train import Checkpointer
@@ -61,6 +62,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     resume: bool = False
+    resume_step: int | None = None
+    max_skipped_steps: int = 10
+    verify_checkpoints: bool = True
     seed: int = 0
     run_dir: str = "runs/train"
     dtype: str = "float32"
@@ -74,24 +78,84 @@ class TrainConfig:
     plot: bool = True
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay to a tenth of the peak rate."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def make_schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup` steps (at least one), then cosine decay
+    to a tenth of `lr` at `steps`."""
+    return optax.warmup_cosine_decay_schedule(
         0.0, config.lr, max(config.warmup, 1), max(config.steps, config.warmup + 1), config.lr / 10
     )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay)
 
 
-def _check(config: TrainConfig, layout: Layout, num_devices: int) -> None:
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on `make_schedule`'s learning rates."""
+    return optax.adamw(make_schedule(config), b1=0.9, b2=0.95, weight_decay=config.weight_decay)
+
+
+def _option(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_options(config: TrainConfig) -> None:
+    """Refuse options that cannot make a run, before anything is built or compiled.
+
+    Counts must be at least 1 (or 0 where 0 means "none"), rates finite and not
+    negative, and the learning-rate schedule finite, never negative, with a peak above 0
+    (its first step is 0: the warmup starts there). Nothing is silently replaced.
+
+    **Raises:**
+
+    `LayerConfigError` naming the option and the value.
+    """
     if config.model not in PRESETS:
         raise LayerConfigError(
             f"unknown model preset {config.model!r}; choose one of {', '.join(PRESETS)}."
         )
     if config.dtype not in DTYPES:
         raise LayerConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}.")
-    for name in ("steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "eval_every"):
+    at_least_one = (
+        "steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "eval_every",
+        "eval_batches", "keep_checkpoints", "max_skipped_steps",
+    )  # fmt: skip
+    for name in at_least_one:
         if getattr(config, name) < 1:
-            raise LayerConfigError(f"--{name.replace('_', '-')} must be at least 1.")
+            raise LayerConfigError(f"{_option(name)} must be at least 1, got {getattr(config, name)}.")
+    for name in ("warmup", "sample_bytes"):
+        if getattr(config, name) < 0:
+            raise LayerConfigError(f"{_option(name)} must be 0 or more, got {getattr(config, name)}.")
+    if config.resume_step is not None and config.resume_step < 0:
+        raise LayerConfigError(f"--resume-step must be 0 or more, got {config.resume_step}.")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        raise LayerConfigError(f"--lr must be a finite number above 0, got {config.lr}.")
+    for name in ("weight_decay", "clip_norm"):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise LayerConfigError(f"{_option(name)} must be a finite number, 0 or more, got {value}.")
+    check_schedule(make_schedule(config), config.steps)
+
+
+def check_schedule(schedule: optax.Schedule, steps: int) -> None:
+    """Check a learning-rate schedule at every step of a run: finite, not negative, peak > 0.
+
+    **Raises:**
+
+    `LayerConfigError` naming the first bad step and its value.
+    """
+    rates = np.asarray(jax.vmap(schedule)(jnp.arange(steps + 1)), np.float64)
+    bad = ~np.isfinite(rates) | (rates < 0)
+    if bad.any():
+        step = int(np.argmax(bad))
+        raise LayerConfigError(
+            f"the learning-rate schedule gives {rates[step]} at step {step}: every rate must "
+            f"be finite and 0 or more (check --lr and --warmup)."
+        )
+    if rates.max() <= 0:
+        raise LayerConfigError(
+            f"the learning-rate schedule is 0 at every one of the {steps} steps: nothing "
+            f"would be learned (check --lr and --steps)."
+        )
+
+
+def _check(config: TrainConfig, layout: Layout, num_devices: int) -> None:
     data = layout.data_parallel_size(num_devices)
     per_device = config.batch_size // data if config.batch_size % data == 0 else None
     if per_device is None:
@@ -112,6 +176,7 @@ class Run:
     """A training run's pieces, built from a `TrainConfig` (see `run`)."""
 
     def __init__(self, config: TrainConfig, *, devices: list | None = None):
+        check_options(config)
         self.config = config
         self.layout = Layout(
             config.layout,
@@ -276,12 +341,16 @@ def run(
     before anything is compiled or written over.
     """
     from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
+    from ..train._checkpoint import probe_writable
 
     start = time.perf_counter()
     if not is_coordinator():  # one process prints: the others compute the same values
         print_fn = _silent
     r = Run(config, devices=devices)
+    # The directories are checked before anything is compiled: a checkpoint directory
+    # that is a file or read-only is found now, not at the first save.
     run_dir = pathlib.Path(config.run_dir)
+    probe_writable(run_dir, "run directory (--run-dir)")
     checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints")
     corpus = load_stdlib_corpus()
     metadata = {
@@ -289,30 +358,19 @@ def run(
         "preset": config.model,
         "layout": config.layout,
         "unit_order": r.unit_order(),
+        "corpus": corpus_identity(),
     }
     ckpt = Checkpointer(
         checkpoint_dir,
         max_to_keep=config.keep_checkpoints,
         metadata=metadata,
         path_map=canonical_path,
+        checksums=config.verify_checkpoints,
     )
     try:
-        if config.resume:
-            if ckpt.latest_step() is None:
-                raise CheckpointError(
-                    f"--resume: no checkpoint in {checkpoint_dir} to resume from (start "
-                    f"without --resume, or point --checkpoint-dir at a run's checkpoints)."
-                )
-            saved = ckpt.read_metadata().get("user", {})
-            same_model = saved.get("model") == metadata["model"]
-            if same_model and saved.get("unit_order") != metadata["unit_order"]:
-                raise CheckpointError(
-                    f"the checkpoint in {checkpoint_dir} (layout {saved.get('layout')!r}) "
-                    f"stores its layers in another order than this layout "
-                    f"({config.layout!r}, pipeline repeats {config.pipeline_repeats}) does: "
-                    f"resume a circular-pipeline run with the same pp size and repeats."
-                )
-            state = ckpt.restore(r.state_template(), mesh=r.mesh)
+        ckpt.check_writable()
+        if config.resume or config.resume_step is not None:
+            state = _resume(r, ckpt, metadata)
         else:
             if ckpt.latest_step() is not None:
                 raise CheckpointError(
@@ -324,6 +382,44 @@ def run(
         return _train(r, state, corpus, ckpt, run_dir, start, print_fn)
     finally:
         ckpt.close()
+
+
+def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
+    """The state to continue from: the latest step, or `--resume-step`, checked to fit."""
+    config = r.config
+    checkpoint_dir = ckpt.directory
+    if ckpt.latest_step() is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {checkpoint_dir} to resume from (start "
+            f"without --resume, or point --checkpoint-dir at a run's checkpoints)."
+        )
+    meta = ckpt.read_metadata(config.resume_step)
+    saved, step = meta.get("user", {}), int(meta["step"])
+    same_model = saved.get("model") == metadata["model"]
+    if same_model and saved.get("unit_order") != metadata["unit_order"]:
+        raise CheckpointError(
+            f"the checkpoint in {checkpoint_dir} (layout {saved.get('layout')!r}) "
+            f"stores its layers in another order than this layout "
+            f"({config.layout!r}, pipeline repeats {config.pipeline_repeats}) does: "
+            f"resume a circular-pipeline run with the same pp size and repeats."
+        )
+    corpus, here = saved.get("corpus"), metadata["corpus"]
+    if corpus is not None and corpus != here:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {checkpoint_dir} was trained on another corpus "
+            f"({corpus.get('files')} files, {corpus.get('bytes')} bytes, sha256 "
+            f"{str(corpus.get('sha256'))[:12]}...) than this Python's standard library "
+            f"({here['files']} files, {here['bytes']} bytes, sha256 {here['sha256'][:12]}...): "
+            f"its data positions would index other text. Resume with the Python that started "
+            f"the run."
+        )
+    state = ckpt.restore(r.state_template(), step=config.resume_step, mesh=r.mesh)
+    if step >= config.steps:  # after the restore: a checkpoint that does not fit says so first
+        raise CheckpointError(
+            f"--resume: the checkpoint in {checkpoint_dir} is at step {step}, and --steps is "
+            f"{config.steps}: nothing is left to train; pass --steps above {step} to train on."
+        )
+    return state
 
 
 def _train(
@@ -358,13 +454,18 @@ def _train(
     val_loss = float("nan")
     loss = float("nan")
     timed_from, timed_steps = None, 0
+    skipped_in_a_row = 0
     with metrics_path.open("w") if coordinator else open(os.devnull, "w") as out:
         for row in rows:
             out.write(json.dumps(row) + "\n")
         for step in range(first, config.steps):
             batch = r.batch(corpus.train, int(state.data_position))
+            # A skipped step (non-finite loss, gradients or update) is not applied but
+            # consumes its batch: the step count and data position advance, and so does
+            # a resumed run, from the same saved position.
             state, metrics = r.train_step(state, batch)
             loss = float(metrics["loss"])
+            skipped_in_a_row = skipped_in_a_row + 1 if int(metrics["skipped"]) else 0
             now = time.perf_counter()
             if timed_from is None:  # the first step includes compilation
                 timed_from = now
@@ -381,6 +482,9 @@ def _train(
                 out.write(json.dumps({"step": step + 1, "val_loss": val_loss}) + "\n")
                 rows.append({"step": step + 1, "val_loss": val_loss})
             out.flush()
+            if skipped_in_a_row >= config.max_skipped_steps:
+                raise TrainingError(_too_many_skipped(step + 1, skipped_in_a_row, metrics, ckpt))
+            ckpt.poll()  # a checkpoint write that failed in the background stops the run
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
@@ -425,6 +529,18 @@ def _train(
         "run_dir": str(run_dir),
         "sample": sample.decode("utf-8", errors="replace"),
     }
+
+
+def _too_many_skipped(step: int, count: int, metrics: dict[str, Any], ckpt: Checkpointer) -> str:
+    last = ckpt.latest_step()
+    resume = f"; the last checkpoint is step {last}" if last is not None else ""
+    return (
+        f"steps {step - count + 1} to {step} were all skipped ({count} in a row, "
+        f"--max-skipped-steps): their loss ({float(metrics['loss']):.4g}), gradient norm "
+        f"({float(metrics['grad_norm']):.4g}) or update was not finite, so the parameters "
+        f"have not changed since step {step - count}{resume}. Lower --lr, or check the "
+        f"model and the data."
+    )
 
 
 def _silent(text: str) -> None:

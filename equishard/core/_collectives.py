@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree, Shaped
 
-from .._errors import SpecError
+from .._errors import MeshError, SpecError
 
 AxisName = str | tuple[str, ...]
 
@@ -48,6 +48,36 @@ def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
             raise SpecError("axis_name is an empty tuple; name at least one mesh axis")
         return axes
     raise SpecError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
+
+
+def _is_bound(name: str) -> bool:
+    try:
+        jax.lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def bound_axes(axis_name: AxisName, fn_name: str) -> tuple[str, ...]:
+    """The axes of `axis_name`, each checked to be bound where `fn_name` is traced.
+
+    **Raises:**
+
+    `MeshError` naming the unbound axis and the mesh axes that are bound here.
+    """
+    axes = axis_tuple(axis_name)
+    for name in axes:
+        if not _is_bound(name):
+            mesh_axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()) or ())
+            bound = tuple(a for a in mesh_axes if _is_bound(a))
+            where = (
+                f"the bound mesh axes are {bound}"
+                if bound
+                else "no mesh axis is bound: call it inside `filter_shard_map` (or "
+                "`jax.shard_map`) over a mesh with that axis"
+            )
+            raise MeshError(f"{fn_name}: the axis {name!r} is not bound here; {where}.")
+    return axes
 
 
 def axis_sizes(axis_name: AxisName) -> tuple[int, ...]:
@@ -161,7 +191,7 @@ def ring_shift(x: PyTree[Shaped[Array, "..."]], axis_name: AxisName, offset: int
 
     A pytree like `x` holding the block of the device `offset` places behind.
     """
-    axes = axis_tuple(axis_name)
+    axes = bound_axes(axis_name, "ring_shift")
     sizes = axis_sizes(axes)
     n = math.prod(sizes)
     shift = offset % n
@@ -752,7 +782,7 @@ def mp_copy(
     """
     op = _check_op("mp_copy", op)
     axis_name = _required_axis("mp_copy", axis_name)
-    axes = axis_tuple(axis_name)
+    axes = bound_axes(axis_name, "mp_copy")
     typed = vma_checked(axes)
     if typed and op == "sum":
         return to_varying(x, axes)
@@ -792,7 +822,7 @@ def mp_reduce(
     """
     op = _check_op("mp_reduce", op)
     axis_name = _required_axis("mp_reduce", axis_name)
-    axes = axis_tuple(axis_name)
+    axes = bound_axes(axis_name, "mp_reduce")
     typed = vma_checked(axes)
     if typed and op == "sum":
         return jax.lax.psum(x, mesh_ordered(axes))
@@ -838,7 +868,7 @@ def mp_scatter(
     """
     dim = _normalise_dim(x, _check_dim("mp_scatter", dim), "mp_scatter")
     axis_name = _required_axis("mp_scatter", axis_name)
-    axes = axis_tuple(axis_name)
+    axes = bound_axes(axis_name, "mp_scatter")
     _check_divisible(x, dim, combined_axis_size(axes), axis_name, "mp_scatter")
     if not vma_checked(axes):
         return _scatter_conjugate(x, axes, dim, False)
@@ -873,7 +903,7 @@ def mp_gather(
     """
     dim = _normalise_dim(x, _check_dim("mp_gather", dim), "mp_gather")
     axis_name = _required_axis("mp_gather", axis_name)
-    axes = axis_tuple(axis_name)
+    axes = bound_axes(axis_name, "mp_gather")
     if vma_checked(axes):
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to="invarying")
     return _gather_untyped(x, axes, dim)

@@ -94,6 +94,16 @@ class Layout:
             )
         if self.sequence_parallel and "tp" not in axes:
             raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a 'tp' axis.")
+        if self.num_microbatches is not None and self.num_microbatches < 1:
+            raise MeshError(
+                f"layout {self.spec!r}: num_microbatches (--microbatches) must be at least 1, "
+                f"got {self.num_microbatches}."
+            )
+        if self.pipeline_repeats < 1:
+            raise MeshError(
+                f"layout {self.spec!r}: pipeline_repeats (--pipeline-repeats) must be at least "
+                f"1, got {self.pipeline_repeats}."
+            )
         return axes
 
     def mesh(self, devices: list | None = None) -> Mesh:

@@ -21,7 +21,16 @@ from jaxtyping import PyTree
 
 from .._errors import SpecError
 from ._place import _map_with_specs, place
-from ._specs import check_tree_specs, describe_mesh, is_array_like, is_spec, specs_of
+from ..core._collectives import varying_axes
+from ._specs import (
+    check_tree_specs,
+    describe_mesh,
+    is_array_like,
+    is_spec,
+    path_str,
+    spec_axes,
+    specs_of,
+)
 
 _NO_RECORD = object()
 
@@ -62,6 +71,72 @@ def _fill_out_specs(given: PyTree, carried: PyTree, mesh: Mesh) -> PyTree:
             f"out_specs {given!r} do not match the structure of the outputs on "
             f"{describe_mesh(mesh)}: {err}"
         ) from None
+
+
+def _check_out_specs(out: PyTree, out_specs: PyTree, mesh: Mesh, manual: frozenset[str]) -> None:
+    """Check each output block against its out_spec, in the local view, before JAX does.
+
+    The structure must match (a spec prefix), every axis be a mesh axis, every spec fit
+    its output's rank, and an output that varies over a manual axis (with the
+    varying-axes check on) be split over it: a replicated spec for a varying value
+    would keep one device's block and drop the others.
+    """
+    spec_paths, spec_def = jax.tree_util.tree_flatten_with_path(out_specs, is_leaf=_is_spec_or_none)
+    try:
+        subtrees = spec_def.flatten_up_to(out)
+    except (ValueError, TypeError) as err:
+        raise SpecError(
+            f"out_specs {out_specs!r} do not match the structure of the outputs on "
+            f"{describe_mesh(mesh)}: the outputs are {jax.tree.structure(out)} ({err})."
+        ) from None
+    for (spec_path, spec), subtree in zip(spec_paths, subtrees):
+        for leaf_path, x in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+            if not is_array_like(x):
+                continue
+            where = (
+                f"output `{path_str((*spec_path, *leaf_path))}` (local shape "
+                f"{tuple(x.shape)}) with out_spec {spec} on {describe_mesh(mesh)}"
+            )
+            if not is_spec(spec):
+                raise SpecError(f"{where}: an out_spec must be a PartitionSpec or None.")
+            unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
+            if unknown:
+                raise SpecError(
+                    f"{where}: axis {unknown[0]!r} is not an axis of the mesh (its axes are "
+                    f"{tuple(mesh.shape)})."
+                )
+            if len(spec) > x.ndim:
+                raise SpecError(
+                    f"{where}: the spec has {len(spec)} entries but the output has only "
+                    f"{x.ndim} dimensions."
+                )
+            missing = sorted((varying_axes(x) & manual) - set(spec_axes(spec)))
+            if missing:
+                names = tuple(missing) if len(missing) > 1 else missing[0]
+                raise SpecError(
+                    f"{where}: the value varies over {names!r} but the spec does not split it "
+                    f"there, so all but one device's block would be dropped. If it is a "
+                    f"partial result, reduce it first (`jax.lax.psum` or `jax.lax.pmean` over "
+                    f"{names!r}); if each device holds its own block, split it over "
+                    f"{names!r} in out_specs."
+                )
+
+
+def _check_out_axes(out_specs: PyTree, mesh: Mesh) -> None:
+    """Every axis the given out_specs name is a mesh axis (checked before tracing)."""
+    leaves = jax.tree_util.tree_flatten_with_path(out_specs, is_leaf=_is_spec_or_none)[0]
+    for path, spec in leaves:
+        if spec is None:
+            continue
+        where = f"out_specs entry `{path_str(path)}` {spec!r}" if path else f"out_specs {spec!r}"
+        if not is_spec(spec):
+            raise SpecError(f"{where}: an out_spec must be a PartitionSpec or None.")
+        unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
+        if unknown:
+            raise SpecError(
+                f"{where}: axis {unknown[0]!r} is not an axis of the mesh "
+                f"{describe_mesh(mesh)} (its axes are {tuple(mesh.shape)})."
+            )
 
 
 def _argument_names(fn: Callable, count: int) -> list[str]:
@@ -148,6 +223,8 @@ def filter_shard_map(
             axis_names=axis_names,
         )
 
+    _check_out_axes(out_specs, mesh)
+
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
         names = _argument_names(fn, len(args))
@@ -164,7 +241,8 @@ def filter_shard_map(
         specs = (arg_specs, kwarg_specs)
         placed = _map_with_specs(lambda x, s: place(x, mesh, s), (args, kwargs), specs)
         dynamic, static = eqx.partition(placed, is_array_like)
-        record: dict[str, Any] = {}
+        record: dict[str, Any] = {"validate": None}
+        manual = frozenset(axis_names or mesh.axis_names) if check_vma else frozenset()
 
         def body(dyn: Any) -> Any:
             call_args, call_kwargs = eqx.combine(dyn, static)
@@ -174,9 +252,12 @@ def filter_shard_map(
             # Read while the mesh axes are bound: a box fits its spec if its value is
             # this device's block of the global shape (see `box_fits`).
             record["carried"] = specs_of(out_dyn)
+            if record["validate"] is not None:
+                _check_out_specs(out_dyn, record["validate"], mesh, manual)
             return out_dyn
 
-        def run(final_out_specs: Any) -> Any:
+        def run(final_out_specs: Any, *, validate: bool = True) -> Any:
+            record["validate"] = final_out_specs if validate else None
             return jax.shard_map(
                 body,
                 mesh=mesh,
@@ -195,7 +276,7 @@ def filter_shard_map(
             # replication check) for outputs that vary; the body, traced first, has
             # recorded what is needed by then. Any other error is the user's.
             try:
-                jax.eval_shape(lambda d: run(P()), dynamic)
+                jax.eval_shape(lambda d: run(P(), validate=False), dynamic)
             except ValueError:
                 if "carried" not in record:
                     raise

@@ -279,10 +279,13 @@ class Checkpointer:
         self._max_to_keep = max_to_keep
         self._checksums = checksums
         self._interrupted = self._interrupted_writes()
+        self._remove_leftovers()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # removed here, once a newer step is known to be complete
             create=False,
-            cleanup_tmp_directories=True,
+            # Removed here, synchronously: orbax's own clean-up runs in a thread that it
+            # joins only at the next save, and fails at exit if there is none.
+            cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
         )
         self._arrays_handler = _ArraysHandler()
@@ -354,6 +357,14 @@ class Checkpointer:
             for p in self._directory.iterdir()
             if _TMP_MARKER in p.name and not p.name.endswith(_DELETED)
         )
+
+    def _remove_leftovers(self) -> None:
+        """Delete the temporary directories of interrupted writes and removals (process 0)."""
+        if jax.process_index() != 0 or not self._directory.is_dir():
+            return
+        for path in self._directory.iterdir():
+            if _TMP_MARKER in path.name:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _where(self, step: int) -> str:
         return f"the checkpoint at step {step} in {self._directory}"
