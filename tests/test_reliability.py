@@ -518,3 +518,38 @@ def test_collectives_on_an_unbound_axis_name_it(name):
     assert f"{name}: the axis 'pp' is not bound here; the bound mesh axes are ('dp', 'tp')" in str(
         info.value
     )
+
+
+def test_a_loss_not_reduced_over_the_data_axes_is_explained():
+    import optax
+
+    mesh = es.make_mesh("dp=4,tp=2")
+    model = es.shard(es.Sharded(jnp.ones((4, 4)), P()), mesh)
+
+    def local_loss(model, batch, key):  # the local mean, never pmean-ed
+        return jnp.mean((batch @ model.value) ** 2), {}
+
+    step = es.train.make_train_step(local_loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
+    state = es.train.init_train_state(lambda k: model, optax.sgd(0.1), jax.random.key(0), mesh=mesh)
+    with pytest.raises(es.ConventionError) as info:
+        step(state, jnp.ones((8, 4)))
+    message = str(info.value)
+    assert "varies over the data axes 'dp'" in message and "jax.lax.pmean(loss, 'dp')" in message
+    assert "check_vma" not in message
+
+
+def test_a_layer_whose_weight_was_not_split_says_so():
+    mesh = es.make_mesh("dp=2,tp=4")
+    layer = es.sharded_init(
+        lambda k: es.nn.ColumnParallelLinear(16, 64, axis_name="tp", key=k), jax.random.key(0), mesh=mesh
+    )
+    x = jnp.ones((2, 16))
+    # gather_output=True: every device returns the whole output.
+    split = es.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(None, P()), out_specs=P())
+    assert jax.jit(split)(layer, x).shape == (2, 64)
+    whole = es.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=P(), out_specs=P())
+    with pytest.raises(es.LayerConfigError) as info:
+        jax.jit(whole)(layer, x)
+    message = str(info.value)
+    assert "ColumnParallelLinear: its local weight has shape (64, 16)" in message
+    assert "axis 'tp' of size 4 each device should hold 256 elements" in message

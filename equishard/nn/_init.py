@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from .._errors import LayerConfigError
@@ -282,6 +283,31 @@ def axis_size(axis_name: str) -> int:
         return int(jax.lax.axis_size(axis_name))
     except NameError:
         return 1
+
+
+def check_local_weight(
+    layer: str, what: str, value: Any, global_shape: tuple[int, ...], axis_name: str, n: int
+) -> None:
+    """Check that this device holds `1/n` of a weight split over `axis_name` (of size `n`).
+
+    A layer whose weight arrives whole inside `shard_map` (its carried spec overridden,
+    e.g. `in_specs=P()`) would otherwise compute on the wrong block and return a wrong
+    shape silently.
+
+    **Raises:**
+
+    `LayerConfigError` naming the layer, the weight, its local and global shapes and the axis.
+    """
+    size = int(np.prod(np.shape(value)))
+    expected = int(np.prod(global_shape)) // n
+    if size != expected:
+        raise LayerConfigError(
+            f"{layer}: its local {what} has shape {tuple(np.shape(value))}, but with global "
+            f"shape {global_shape} split over axis {axis_name!r} of size {n} each device "
+            f"should hold {expected} elements. The weight was not split by its spec: pass the "
+            f"layer to `filter_shard_map` with the specs it carries (in_specs None for it), "
+            f"not an overriding spec such as P()."
+        )
 
 
 def check_positive(layer: str, name: str, value: Any) -> None:

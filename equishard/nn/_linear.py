@@ -35,6 +35,7 @@ from ._init import (
     axis_size,
     check_divisible,
     check_init_type,
+    check_local_weight,
     check_partition,
     check_positive,
     check_stride,
@@ -277,6 +278,8 @@ class ColumnParallelLinear(eqx.Module):
         bound = is_bound(self.axis_name)
         n = axis_size(self.axis_name)
         check_partition("ColumnParallelLinear", "out_features", self.out_features, self.stride, self.axis_name, n)
+        shape = (self.out_features, self.in_features)
+        check_local_weight("ColumnParallelLinear", "weight", value_of(self.weight), shape, self.axis_name, n)
         if self.sequence_parallel and bound:
             # f32[..., T/n, in] -> f32[..., T, in]
             x = gather_tokens(x, self.axis_name)
@@ -421,6 +424,8 @@ class RowParallelLinear(eqx.Module):
         bound = is_bound(self.axis_name)
         n = axis_size(self.axis_name)
         check_partition(name, "in_features", self.in_features, self.stride, self.axis_name, n)
+        shape = (self.out_features, self.in_features)
+        check_local_weight(name, "weight", value_of(self.weight), shape, self.axis_name, n)
         if not self.input_is_parallel and bound:
             # f32[..., in] -> f32[..., in/n]
             x = scatter_strided(x, self.axis_name, self.stride)

@@ -28,7 +28,7 @@ import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._errors import LayerConfigError
+from .._errors import ConventionError, LayerConfigError
 from ..core._collectives import mesh_ordered, varying_axes, vma_checked
 from ..core._random import global_index
 from ..sharding import filter_shard_map, shard, sharded_init
@@ -256,6 +256,24 @@ def _gradient_specs(model: PyTree) -> PyTree:
     )
 
 
+def _check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
+    """Raise if the loss varies over the data axes: a local loss where the global one is due.
+
+    Differentiating each device's own loss would give replicated parameters a gradient
+    summed over the data axes instead of the single-device one.
+    """
+    varying: list[str] = [a for a in mesh_ordered(data_axes) if a in varying_axes(loss)]
+    if varying:
+        names: str | tuple[str, ...] = tuple(varying) if len(varying) > 1 else varying[0]
+        raise ConventionError(
+            f"make_train_step: loss_fn returned a loss that varies over the data axes "
+            f"{names!r}: each device's own loss, not the global one. Return the global "
+            f"loss, the local mean averaged over the data axes "
+            f"(`jax.lax.pmean(loss, {names!r})`), so that the gradients equal the "
+            f"single-device gradients (see the training guide)."
+        )
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -430,6 +448,11 @@ def make_train_step(
         )
         return loss, metrics, grad_norm, grads
 
+    def checked_gradients(model: PyTree, batch: PyTree, key: PRNGKeyArray) -> Any:
+        out = local_gradients(model, batch, key)
+        _check_global_loss(out[0], data_axes)
+        return out
+
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
         key = jax.random.fold_in(state.key, state.step)
         if view == "global":
@@ -438,7 +461,7 @@ def make_train_step(
             # The out_specs are known before tracing (the parameters' specs): the body
             # is traced once.
             gradients = filter_shard_map(
-                local_gradients,
+                checked_gradients,
                 mesh=mesh,
                 in_specs=(None, batch_spec, P()),
                 out_specs=(P(), P(), P(), _gradient_specs(state.model)),
