@@ -32,6 +32,7 @@ from jaxtyping import PyTree
 
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
+from ..core._collectives import mesh_ordered, varying_axes
 from ..sharding._box import Sharded, is_sharded
 from ..core._gather import check_local_loss_convention
 from ..sharding._fsdp import (
@@ -162,6 +163,43 @@ def gather_params(
     return fsdp_gather_params(params, axis_name, gather_dtype, grad_scatter_dtype, mean_grads=True)
 
 
+@jax.custom_batching.custom_vmap
+def _tie_batched(x: Any, anchor: Any) -> Any:
+    return x + (anchor * 0).astype(x.dtype)
+
+
+@_tie_batched.def_vmap
+def _tie_batched_vmap(axis_size: int, in_batched: Any, x: Any, anchor: Any) -> Any:
+    del axis_size
+    x_batched, anchor_batched = in_batched
+    # One example's anchor is dependency enough: the parameters stay unbatched, so a
+    # `vmap` over the examples outside the unit gathers them once, not once per example.
+    return _tie_batched(x, anchor[0] if anchor_batched else anchor), x_batched
+
+
+@jax.custom_vjp
+def _tie(x: Any, anchor: Any) -> Any:
+    """`x + 0 * anchor`: `x`, made to wait for `anchor` (gradient: identity, none)."""
+    return _tie_batched(x, anchor)
+
+
+def _tie_fwd(x: Any, anchor: Any) -> Any:
+    # `x[:0]`: an empty array that varies as `x` does, for the backward pass.
+    return _tie_batched(x, anchor), (x.ravel()[:0], jnp.zeros_like(anchor))
+
+
+def _tie_bwd(residuals: Any, g: Any) -> Any:
+    like_x, zero = residuals
+    # The output varied also over the anchor's axes; `x`'s gradient is summed over
+    # them, as the transpose of the implicit cast in `x + 0 * anchor` would.
+    varying = tuple(varying_axes(g))
+    extra = tuple(a for a in (mesh_ordered(varying) if varying else ()) if a not in varying_axes(like_x))
+    return (jax.lax.psum(g, extra) if extra else g), zero
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
+
+
 def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTree:
     """`tree`, made to depend on `anchor_tree` so that its all-gathers wait for it.
 
@@ -182,7 +220,7 @@ def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTre
         value = leaf.value if is_sharded(leaf) else leaf
         if not eqx.is_inexact_array(value) or not (unboxed or is_sharded(leaf)):
             return leaf
-        tied = value + (anchor * 0).astype(value.dtype)
+        tied = _tie(value, anchor)
         return leaf.with_value(tied) if is_sharded(leaf) else tied
 
     return jax.tree.map(tie, tree, is_leaf=is_sharded)
