@@ -329,3 +329,17 @@ def test_vmap_outside_fsdp_units_gathers_once_per_batch():
     )
     gathered = collective_bytes(op for op in ops if op.kind == "all-gather")
     assert gathered <= 2 * 7 / 8 * split, (gathered, split)  # 4.3x that before
+
+
+def test_dropout_on_a_tp_split_activation_draws_the_one_device_mask():
+    """`bernoulli_block` on a block of features split over tp is that block of the
+    one-device mask."""
+    key = jax.random.key(5)
+    mesh = es.make_mesh("dp=2,tp=4")
+    blocks = es.filter_shard_map(
+        lambda x: es.core.bernoulli_block(key, 0.7, x.shape, axis_name="tp", dim=-1),
+        mesh=mesh,
+        in_specs=P(None, "tp"),
+        out_specs=P(None, "tp"),
+    )(jnp.zeros((6, 32)))
+    np.testing.assert_array_equal(np.asarray(blocks), np.asarray(jax.random.bernoulli(key, 0.7, (6, 32))))
