@@ -32,6 +32,7 @@ from .sharding import (
     make_mesh as make_mesh,
     param_table as param_table,
     parse_layout as parse_layout,
+    plain_arrays as plain_arrays,
     restrict_specs as restrict_specs,
     shard as shard,
     shard_params as shard_params,

@@ -362,6 +362,30 @@ def test_compose_dp_pp_tp_fsdp():
             assert all(shape[-2:] != (T, D) for _, shape in op.result_shapes), str(op)
 
 
+def test_stage_box_reports_global_shape():
+    """Inside shard_map a stage's boxes keep their global shape: (16, 16), not the (16, 4) block."""
+    mesh = es.make_mesh("pp=2,tp=4")
+    seen = []
+
+    class Recorder(eqx.Module):
+        w: es.Sharded
+
+        def __init__(self, key):
+            self.w = es.Sharded(jax.random.normal(key, (D, D)) / D**0.5, P(None, "tp"))
+
+        def __call__(self, h):
+            seen.append((self.w.global_shape, self.w.shape, tuple(self.w.value.shape)))
+            return h
+
+    pipe = PipelineModule(Recorder, "pp", 2, num_layers=2, num_stages=2, key=jax.random.key(0))
+    stacked = pipe.layers.w
+    assert stacked.global_shape == (2, D, D) and stacked.spec == P("pp", None, "tp")
+    assert es.specs_of(pipe.unstack()[0]).w == P(None, "tp")
+    assert pipe.unstack()[0].w.global_shape == (D, D)
+    _trace(lambda p, x: from_last_stage(p(x).sum(), "pp"), mesh, pipe, jnp.ones((4, T, D)))
+    assert seen and set(seen) == {((D, D), (D, D), (D, D // 4))}
+
+
 # ------------------------------------------------------------------- bad input
 
 

@@ -27,35 +27,22 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree, Shaped
 
+from .._axes import (
+    AxisName as AxisName,
+    axis_sizes,
+    axis_tuple as axis_tuple,
+    cast_varying,
+    combined_axis_size,
+    is_bound,
+    mesh_ordered,
+    varying_axes as varying_axes,
+    vma_checked,
+)
 from .._errors import MeshError, SpecError
-
-AxisName = str | tuple[str, ...]
 
 
 # ---------------------------------------------------------------------------
-# Axis bookkeeping
-
-
-def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
-    """`axis_name` as a tuple of mesh axis names, in the order given (logical order)."""
-    if isinstance(axis_name, str):
-        return (axis_name,)
-    if isinstance(axis_name, (tuple, list)) and all(isinstance(a, str) for a in axis_name):
-        axes = tuple(axis_name)
-        if len(set(axes)) != len(axes):
-            raise SpecError(f"axis_name {axis_name!r} names an axis twice")
-        if not axes:
-            raise SpecError("axis_name is an empty tuple; name at least one mesh axis")
-        return axes
-    raise SpecError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
-
-
-def _is_bound(name: str) -> bool:
-    try:
-        jax.lax.axis_size(name)
-    except NameError:
-        return False
-    return True
+# Axis bookkeeping (axis names, sizes and varying types live in `equishard._axes`)
 
 
 def bound_axes(axis_name: AxisName, fn_name: str) -> tuple[str, ...]:
@@ -67,9 +54,9 @@ def bound_axes(axis_name: AxisName, fn_name: str) -> tuple[str, ...]:
     """
     axes = axis_tuple(axis_name)
     for name in axes:
-        if not _is_bound(name):
+        if not is_bound(name):
             mesh_axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()) or ())
-            bound = tuple(a for a in mesh_axes if _is_bound(a))
+            bound = tuple(a for a in mesh_axes if is_bound(a))
             where = (
                 f"the bound mesh axes are {bound}"
                 if bound
@@ -80,60 +67,7 @@ def bound_axes(axis_name: AxisName, fn_name: str) -> tuple[str, ...]:
     return axes
 
 
-def axis_sizes(axis_name: AxisName) -> tuple[int, ...]:
-    """The size of each axis in `axis_name`, in the order given."""
-    return tuple(int(jax.lax.axis_size(a)) for a in axis_tuple(axis_name))
-
-
-def combined_axis_size(axis_name: AxisName) -> int:
-    """The number of devices along `axis_name` (the product of the sizes of its axes)."""
-    return math.prod(axis_sizes(axis_name))
-
-
-def mesh_ordered(axis_name: AxisName) -> tuple[str, ...]:
-    """The axes of `axis_name` sorted into the order the current mesh declares them.
-
-    Axes unknown to the current abstract mesh (e.g. a `vmap` axis name) keep the order
-    given.
-    """
-    axes = axis_tuple(axis_name)
-    names = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()) or ())
-    if all(a in names for a in axes):
-        return tuple(sorted(axes, key=names.index))
-    return axes
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-    """The manual mesh axes along which `x` is typed as varying (empty when unchecked).
-
-    JAX records this as `aval.vma` in some versions and `aval.manual_axis_type.varying`
-    in others (0.10, 0.12); both are read.
-    """
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def vma_checked(axis_name: AxisName) -> bool:
-    """Whether shard_map's varying-manual-axes check is on for `axis_name`.
-
-    With the check on, `axis_index` is typed as varying along the axis; with
-    `check_vma=False` nothing carries a type.
-    """
-    axes = axis_tuple(axis_name)
-    return bool(set(axes) & varying_axes(jax.lax.axis_index(axes)))
-
-
-def to_varying(x: PyTree, axis_name: AxisName) -> PyTree:
-    """`pcast` each leaf of `x` to varying along the axes of `axis_name` it is not yet varying on."""
-
-    def cast(leaf):
-        missing = tuple(a for a in mesh_ordered(axis_name) if a not in varying_axes(leaf))
-        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return jax.tree.map(cast, x)
+to_varying = cast_varying  # the former name, for modules that still import it from here
 
 
 def ring_index(i: Array, offset: int, n: int) -> Array:
@@ -678,7 +612,7 @@ def _was_varying(x: Array, axes: tuple[str, ...]) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _copy_conjugate(x, axes, op, typed, was_varying):
-    return to_varying(x, axes) if typed else x
+    return cast_varying(x, axes) if typed else x
 
 
 def _copy_conjugate_fwd(x, axes, op, typed, was_varying):
@@ -687,7 +621,7 @@ def _copy_conjugate_fwd(x, axes, op, typed, was_varying):
 
 def _copy_conjugate_bwd(axes, op, typed, was_varying, _, g):
     g = _reduce(g, axes, op)
-    return (to_varying(g, axes) if was_varying else g,)
+    return (cast_varying(g, axes) if was_varying else g,)
 
 
 _copy_conjugate.defvjp(_copy_conjugate_fwd, _copy_conjugate_bwd)
@@ -704,7 +638,7 @@ def _reduce_conjugate_fwd(x, axes, op, was_varying):
 
 def _reduce_conjugate_bwd(axes, op, was_varying, _, g):
     # Identity: each device gets the cotangent of the reduced value unchanged.
-    return (to_varying(g, axes) if was_varying else g,)
+    return (cast_varying(g, axes) if was_varying else g,)
 
 
 _reduce_conjugate.defvjp(_reduce_conjugate_fwd, _reduce_conjugate_bwd)
@@ -712,7 +646,7 @@ _reduce_conjugate.defvjp(_reduce_conjugate_fwd, _reduce_conjugate_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _scatter_conjugate(x, axes, dim, typed):
-    return _local_slice(to_varying(x, axes) if typed else x, axes, dim)
+    return _local_slice(cast_varying(x, axes) if typed else x, axes, dim)
 
 
 def _scatter_conjugate_fwd(x, axes, dim, typed):
@@ -785,7 +719,7 @@ def mp_copy(
     axes = bound_axes(axis_name, "mp_copy")
     typed = vma_checked(axes)
     if typed and op == "sum":
-        return to_varying(x, axes)
+        return cast_varying(x, axes)
     return _copy_conjugate(x, axes, op, typed, typed and _was_varying(x, axes))
 
 
@@ -875,7 +809,7 @@ def mp_scatter(
     varying = varying_axes(x)
     if not any(a in varying for a in axes):
         return _scatter_conjugate(x, axes, dim, True)
-    return _local_slice(to_varying(x, axes), axes, dim)
+    return _local_slice(cast_varying(x, axes), axes, dim)
 
 
 def mp_gather(

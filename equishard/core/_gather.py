@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
+from .._axes import AxisName, axis_tuple, cast_varying, combined_axis_size, vma_checked
 from .._errors import ConventionError
-from ._collectives import AxisName, _normalise_dim, axis_tuple, combined_axis_size, to_varying, vma_checked
+from ._collectives import _normalise_dim
 
 
 def gather_array(
@@ -57,7 +58,7 @@ def gather_array(
     """
     axes = axis_tuple(axis_name)
     axis = _normalise_dim(x, axis, "gather_array")
-    x = to_varying(x, axes)
+    x = cast_varying(x, axes)
     gathered_dtype = jnp.dtype(gather_dtype if gather_dtype is not None else x.dtype)
     if grad_scatter_dtype is None or jnp.dtype(grad_scatter_dtype) == gathered_dtype:
         # Plain autodiff: the transpose of the all-gather is the reduce-scatter, in the
@@ -107,7 +108,7 @@ def gather_array_with_mean_grads(
     axes = axis_tuple(axis_name)
     check_local_loss_convention("gather_array_with_mean_grads", axes)
     axis = _normalise_dim(x, axis, "gather_array_with_mean_grads")
-    x = to_varying(x, axes)
+    x = cast_varying(x, axes)
     scatter = jnp.dtype(grad_scatter_dtype if grad_scatter_dtype is not None else x.dtype)
     return _gather(x, axes, axis, gather_dtype, scatter, jnp.dtype(x.dtype), True)
 

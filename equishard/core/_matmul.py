@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._errors import LayerConfigError, SpecError
-from ._collectives import AxisName, axis_tuple, combined_axis_size, ring_index, ring_shift
+from .._axes import AxisName, axis_tuple, combined_axis_size
+from ._collectives import ring_index, ring_shift
 
 
 def _rows(x: Array, start, size: int) -> Array:

@@ -35,9 +35,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .._axes import AxisName, cast_varying, combined_axis_size, varying_axes
 from .._errors import LayerConfigError, SpecError
-
-AxisName = str | tuple[str, ...] | None
 
 __all__ = [
     "RaggedPlan",
@@ -56,10 +55,9 @@ __all__ = [
 ]
 
 
-def _axis_size(axis_name: AxisName) -> int:
-    if axis_name is None:
-        return 1
-    return jax.lax.axis_size(axis_name)
+def _axis_size(axis_name: AxisName | None) -> int:
+    """The size of the (bound) axis `axis_name`; 1 for `None`, one device."""
+    return 1 if axis_name is None else combined_axis_size(axis_name)
 
 
 # --------------------------------------------------------------------------- routing
@@ -197,7 +195,7 @@ def load_balancing_loss(
     logits: Float[Array, "tokens experts"],
     experts: Int[Array, "tokens k"],
     *,
-    axis_name: AxisName = None,
+    axis_name: AxisName | None = None,
 ) -> Float[Array, ""]:
     """The Switch/GShard load-balancing loss over the global batch.
 
@@ -233,7 +231,7 @@ def load_balancing_loss(
 
 
 def router_z_loss(
-    logits: Float[Array, "tokens experts"], *, axis_name: AxisName = None
+    logits: Float[Array, "tokens experts"], *, axis_name: AxisName | None = None
 ) -> Float[Array, ""]:
     """The router z-loss (ST-MoE): the global mean over tokens of `logsumexp(logits)²`.
 
@@ -394,7 +392,7 @@ def ragged_all_to_all_emulated(
     elif axis_index_groups is not None:
         n = len(axis_index_groups[0])
     else:
-        n = jax.lax.axis_size(axis_name)
+        n = combined_axis_size(axis_name)
     if slices % n:
         raise SpecError(
             f"ragged_all_to_all_emulated: {slices} slices do not divide over the {n} "
@@ -487,13 +485,7 @@ def _zeros_varying(shape: tuple[int, ...], dtype: jnp.dtype, like: Array) -> Arr
     0.12): an invariant zero buffer would make the received rows look invariant, and the
     transpose would then wrongly `psum` their cotangent.
     """
-    zeros = jnp.zeros(shape, dtype)
-    aval = jax.typeof(like)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    missing = tuple(sorted(set(vma)))
-    return jax.lax.pcast(zeros, missing, to="varying") if missing else zeros
+    return cast_varying(jnp.zeros(shape, dtype), varying_axes(like))
 
 
 def ragged_dispatch(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
 from ._collectives import ring_shift
 
@@ -273,24 +274,6 @@ def pipeline_layer_order(num_layers: int, num_stages: int, repeats: int = 1) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# Varying-manual-axes bookkeeping.
-# ----------------------------------------------------------------------------------------
-
-
-def _varying(aval: Any) -> frozenset[str]:
-    """The manual axes an abstract value varies over (empty when the check is off)."""
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def _cast_varying(x: Array, axes: frozenset[str]) -> Array:
-    missing = tuple(sorted(axes - _varying(jax.typeof(x))))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-# ----------------------------------------------------------------------------------------
 # Execution.
 # ----------------------------------------------------------------------------------------
 
@@ -355,14 +338,14 @@ def execute_pipeline_step(
 
 
 def _num_stages(model_axis_name: str) -> int:
-    try:
-        return int(jax.lax.axis_size(model_axis_name))
-    except NameError as e:
+    size = bound_axis_size(model_axis_name)
+    if size is None:
         raise LayerConfigError(
             f"pipeline: the stage axis {model_axis_name!r} is not bound; run the pipeline "
             f"inside `equishard.filter_shard_map` (or `jax.shard_map`) over a mesh with "
             f"that axis."
-        ) from e
+        )
+    return size
 
 
 def _split_microbatches(x: Array, num_microbatches: int, num_stages: int, what: str) -> Array:
@@ -390,17 +373,17 @@ def _run_schedule(
     mb_shape = inputs.shape[1:]
 
     # The carries vary over what the stage output varies over: find it by tracing once.
-    axes = _varying(jax.typeof(x)) | {model_axis_name}
-    probe = lambda: call(jnp.int32(0), _cast_varying(jnp.zeros(mb_shape, x.dtype), axes))  # noqa: E731
+    axes = varying_axes(x) | {model_axis_name}
+    probe = lambda: call(jnp.int32(0), cast_varying(jnp.zeros(mb_shape, x.dtype), axes))  # noqa: E731
     out_aval = jax.eval_shape(probe)
     _check_stage_output(out_aval, inputs[0], what)
-    axes = axes | _varying(out_aval)
+    axes = axes | varying_axes(out_aval)
     # Varying over the stage axis once, outside the loop: if `x` carries a gradient
     # (an embedding replicated over the stages), its cotangent is summed over the
     # stage axis by one all-reduce after the backward loop, not one per step.
-    inputs = _cast_varying(inputs, frozenset({model_axis_name}))
-    state0 = _cast_varying(jnp.zeros(mb_shape, x.dtype), axes)  # f32[b, ...]
-    outputs0 = _cast_varying(jnp.zeros(inputs.shape, x.dtype), axes)  # f32[M, b, ...]
+    inputs = cast_varying(inputs, frozenset({model_axis_name}))
+    state0 = cast_varying(jnp.zeros(mb_shape, x.dtype), axes)  # f32[b, ...]
+    outputs0 = cast_varying(jnp.zeros(inputs.shape, x.dtype), axes)  # f32[M, b, ...]
 
     stage = jax.lax.axis_index(model_axis_name)
     tables = (jnp.asarray(schedule.microbatch), jnp.asarray(schedule.repeat))  # i32[T, S]
@@ -426,7 +409,7 @@ def _run_schedule(
         state, outputs = carry
         out, outputs = work(state, outputs, *row)
         state = ring_shift(out, model_axis_name, offset=1)  # stage i -> stage i + 1
-        return (_cast_varying(state, axes), outputs), None
+        return (cast_varying(state, axes), outputs), None
 
     # All steps but the last send their output on; the last step's output is only the
     # last stage's result, so it is run outside the loop and sends nothing: T - 1

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core import mp_reduce
-from ._linear import is_bound
+from .._axes import is_bound
 
 
 def vocab_parallel_cross_entropy(

@@ -14,7 +14,8 @@ from .._errors import LayerConfigError
 from ..core import mp_gather, mp_reduce, mp_scatter
 from ..sharding import Sharded
 from ._init import axis_size, check_choice, check_divisible, check_init_type, check_positive, init_weight, value_of
-from ._linear import is_bound, lora_scale, master_of, scatter_tokens
+from .._axes import is_bound
+from ._linear import lora_scale, master_of, scatter_tokens
 
 
 class ParallelEmbedding(eqx.Module):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._axes import is_bound
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..core._collectives import mesh_ordered, varying_axes
@@ -38,7 +39,6 @@ from ..core._gather import check_local_loss_convention
 from ..sharding._fsdp import (
     DEFAULT_MIN_WEIGHT_SIZE,
     AutoSharded,
-    _bound_axis_size,
     fsdp_split_params,
     shard_params,
 )
@@ -105,7 +105,7 @@ def fsdp_gather_params(
 
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     # Outside shard_map (the global view) the arrays are already whole.
-    bound = all(_bound_axis_size(a) is not None for a in axes)
+    bound = all(is_bound(a) for a in axes)
 
     def whole(leaf: Any) -> Any:
         if not is_sharded(leaf) or not is_array_like(leaf.value):
@@ -120,7 +120,7 @@ def fsdp_gather_params(
             spec = P(*(rest if d == dim else e for d, e in enumerate(spec)))
         if isinstance(leaf, AutoSharded):
             return value
-        return Sharded(value, spec, leaf.shape)
+        return Sharded(value, spec, leaf.global_shape)
 
     return jax.tree.map(whole, params, is_leaf=is_sharded)
 
@@ -158,7 +158,7 @@ def gather_params(
     `ConventionError` if called inside `shard_map` with the varying-axes check on.
     """
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if all(_bound_axis_size(a) is not None for a in axes):
+    if all(is_bound(a) for a in axes):
         check_local_loss_convention("gather_params", axes)
     return fsdp_gather_params(params, axis_name, gather_dtype, grad_scatter_dtype, mean_grads=True)
 
@@ -411,7 +411,7 @@ class FSDP(eqx.Module):
         parameters are whole at a time; with `regather` the backward pass gathers
         them again after the layer's output cotangent arrives.
         """
-        if self.mean_grads and _bound_axis_size(self.axis_name) is not None:
+        if self.mean_grads and is_bound(self.axis_name):
             check_local_loss_convention("FSDP(mean_grads=True) / shard_module_params", self.axis_name)
         operands = (self.module, args, kwargs)
         if self.regather:

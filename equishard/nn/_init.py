@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
+from .._axes import axis_size as axis_size
 from .._errors import LayerConfigError
 
 InitType = Literal[
@@ -271,18 +272,6 @@ def scale_init(init_fn: Callable[..., Array], scale_factor: float = 1.0) -> Call
 def value_of(box: Any) -> Array:
     """The array a `Sharded` box holds, typed as an `Array` (for the type checker)."""
     return box.value
-
-
-def axis_size(axis_name: str) -> int:
-    """The size of mesh axis `axis_name` inside `shard_map`, or 1 where it is not bound.
-
-    A layer called outside any `shard_map` (or inside one that does not map
-    `axis_name`) holds its global weights and computes the unsharded function.
-    """
-    try:
-        return int(jax.lax.axis_size(axis_name))
-    except NameError:
-        return 1
 
 
 def check_local_weight(

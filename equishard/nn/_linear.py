@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._axes import is_bound
 from .._errors import LayerConfigError
 from ..core import mp_copy, mp_gather, mp_reduce, mp_scatter
 from ..sharding import Sharded
@@ -42,15 +43,6 @@ from ._init import (
     init_weight,
     value_of,
 )
-
-
-def is_bound(axis_name: str) -> bool:
-    """Whether `axis_name` is a mapped axis here (inside a `shard_map` over it)."""
-    try:
-        jax.lax.axis_size(axis_name)
-    except NameError:
-        return False
-    return True
 
 
 def add_bias(y: Array, bias: Array) -> Array:

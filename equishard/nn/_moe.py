@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._axes import bound_axis_size, varying_axes
 from .._errors import LayerConfigError, SpecError
 from ..core._moe import (
     capacity_mask,
@@ -57,24 +58,6 @@ class MoEAux(eqx.Module):
     z_loss: Float[Array, ""]
     dropped: Int[Array, ""]
     expert_load: Int[Array, " num_experts"]
-
-
-def _varying_axes(x: Array) -> frozenset[str] | None:
-    """The manual mesh axes `x` varies over (`None` if JAX does not track them here)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        manual = getattr(aval, "manual_axis_type", None)
-        vma = getattr(manual, "varying", None)
-    return None if vma is None else frozenset(vma)
-
-
-def _bound_size(axis: str) -> int | None:
-    """The size of a bound mesh axis, or `None` outside `shard_map` over it."""
-    try:
-        return jax.lax.axis_size(axis)
-    except NameError:
-        return None
 
 
 class MoE(eqx.Module):
@@ -290,10 +273,10 @@ class MoE(eqx.Module):
                 f"shape {x.shape}."
             )
         ep_axis = self.expert_axis_name
-        ep = _bound_size(ep_axis)
+        ep = bound_axis_size(ep_axis)
         token_axes: list[str] = []
         for axis in self.data_axis_name:
-            if _bound_size(axis) is None:
+            if bound_axis_size(axis) is None:
                 raise SpecError(
                     f"{name}: data axis {axis!r} is not a mesh axis of the enclosing "
                     f"shard_map."
@@ -318,7 +301,7 @@ class MoE(eqx.Module):
                     f"{name}: local {field} has shape {shape} with spec {box.spec}, expected "
                     f"{want} ({self.num_experts} experts split {n} ways over {ep_axis!r})."
                 )
-        varying = _varying_axes(x)
+        varying = varying_axes(x)
         if varying:
             extra = sorted(varying - set(token_axes))
             if extra:
@@ -328,7 +311,7 @@ class MoE(eqx.Module):
                     f"{self.data_axis_name}); name them in data_axis_name so the aux losses "
                     f"cover the whole batch."
                 )
-            missing = [a for a in token_axes if a not in varying and _bound_size(a) != 1]
+            missing = [a for a in token_axes if a not in varying and bound_axis_size(a) != 1]
             if missing:
                 raise SpecError(
                     f"{name}: the tokens are not split over {missing}; expected "
@@ -370,7 +353,7 @@ class MoE(eqx.Module):
         statistics).
         """
         n, token_axes = self._check(x)
-        ep_axis = self.expert_axis_name if _bound_size(self.expert_axis_name) else None
+        ep_axis = self.expert_axis_name if bound_axis_size(self.expert_axis_name) else None
         sum_axes = token_axes or None
         batch, seq, dim = x.shape
         tokens = batch * seq

@@ -8,9 +8,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
 from ..core import (
     execute_circular_pipeline,
@@ -18,36 +18,7 @@ from ..core import (
     pipeline_layer_order,
     pipeline_schedule,
 )
-from ..core._pipeline import _cast_varying, _varying
-from ..sharding import Sharded, is_sharded
-
-
-def _per_layer_view(tree: PyTree, wrapped: tuple[bool, ...]) -> PyTree:
-    """Turn the stored view of one layer back into the layer `module_fn` built.
-
-    `tree` has per-layer arrays but the stored boxes (spec `P("pp", ...)`); boxes the
-    pipeline added around plain arrays are removed, the others lose their leading entry.
-    """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
-
-    def restore(leaf: Any, was_plain: bool) -> Any:
-        if not is_sharded(leaf):
-            return leaf
-        if was_plain:
-            return leaf.value
-        # type(leaf): keeps subclasses of the box (FSDP's `AutoSharded`) as they were.
-        return type(leaf)(leaf.value, P(*leaf.spec[1:]))
-
-    return jax.tree.unflatten(treedef, [restore(x, w) for x, w in zip(leaves, wrapped, strict=True)])
-
-
-def _stage_box(leaf: Any, spec: P) -> Any:
-    """Box `leaf` (an array gained a leading layer axis) with `spec`'s entry in front."""
-    if is_sharded(leaf):
-        return type(leaf)(leaf.value, P(*spec, *leaf.spec))
-    if eqx.is_array(leaf):
-        return Sharded(leaf, spec)
-    return leaf
+from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
 
 
 class PipelineModule(eqx.Module):
@@ -109,7 +80,7 @@ class PipelineModule(eqx.Module):
     num_layers: int = eqx.field(static=True)
     num_stages: int = eqx.field(static=True)
     repeats: int = eqx.field(static=True)
-    _wrapped: tuple[bool, ...] = eqx.field(static=True, repr=False)
+    was_plain: tuple[bool, ...] = eqx.field(static=True, repr=False)
 
     def __init__(
         self,
@@ -142,10 +113,8 @@ class PipelineModule(eqx.Module):
             stacked = jax.tree.map(lambda a: a[order] if eqx.is_array(a) else a, stacked)
         # Every array gets the stage axis in front of its spec: boxes keep their own
         # entries after it (and their class), plain arrays are boxed P("pp").
-        leaves, treedef = jax.tree.flatten(stacked, is_leaf=is_sharded)
-        self._wrapped = tuple(eqx.is_array(x) for x in leaves)
-        spec = P(model_axis_name)
-        self.layers = jax.tree.unflatten(treedef, [_stage_box(x, spec) for x in leaves])
+        self.was_plain = plain_arrays(stacked)
+        self.layers = add_leading_axis(stacked, model_axis_name, box_arrays=True)
 
     @property
     def layers_per_stage(self) -> int:
@@ -155,7 +124,7 @@ class PipelineModule(eqx.Module):
     def _layer(self, index: int) -> Any:
         """The layer at stored position `index` of the stack (global view)."""
         picked = jax.tree.map(lambda a: a[index] if eqx.is_array(a) else a, self.layers)
-        return _per_layer_view(picked, self._wrapped)
+        return drop_leading_axis(picked, unbox=self.was_plain)
 
     def unstack(self) -> list[Any]:
         """The layers in model order, each as `module_fn` built it (global view).
@@ -189,14 +158,13 @@ class PipelineModule(eqx.Module):
         `num_stages`, the local stack is not this device's share (the module was not
         passed through `shard_map` with its specs), or the batch does not split.
         """
-        try:
-            size = int(jax.lax.axis_size(self.model_axis_name))
-        except NameError as e:
+        size = bound_axis_size(self.model_axis_name)
+        if size is None:
             raise LayerConfigError(
                 f"PipelineModule: the stage axis {self.model_axis_name!r} is not bound; "
                 f"call the module inside `equishard.filter_shard_map` over a mesh with "
                 f"that axis."
-            ) from e
+            )
         if size != self.num_stages:
             raise LayerConfigError(
                 f"PipelineModule was built with num_stages={self.num_stages}, but the "
@@ -208,8 +176,7 @@ class PipelineModule(eqx.Module):
         # Vary the layers like the batch once, before the schedule's loop: a parameter
         # replicated over a data axis then has its gradient summed over that axis by
         # one all-reduce after the backward loop, instead of one per pipeline step.
-        data_axes = _varying(jax.typeof(x))
-        dynamic = jax.tree.map(lambda a: _cast_varying(a, data_axes), dynamic)
+        dynamic = cast_varying(dynamic, varying_axes(x))
         heads = {a.shape[0] for a in jax.tree.leaves(dynamic)}
         if heads and heads != {local}:
             raise LayerConfigError(
@@ -229,7 +196,7 @@ class PipelineModule(eqx.Module):
                 )
 
             def layer_step(h: Array, layer_dyn: PyTree) -> tuple[Array, None]:
-                block = _per_layer_view(eqx.combine(layer_dyn, static), self._wrapped)
+                block = drop_leading_axis(eqx.combine(layer_dyn, static), unbox=self.was_plain)
                 out = block(h, *args, **kwargs)
                 if getattr(out, "shape", None) != h.shape or getattr(out, "dtype", None) != h.dtype:
                     got = f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__

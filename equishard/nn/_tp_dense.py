@@ -45,6 +45,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._axes import is_bound
 from .._errors import LayerConfigError
 from ..core import (
     async_gather,
@@ -64,7 +65,7 @@ from ._init import (
     scale_init,
     value_of,
 )
-from ._linear import add_bias, is_bound
+from ._linear import add_bias
 
 TP_MODES = ("scatter", "gather", "none")
 _LECUN_NORMAL = jax.nn.initializers.lecun_normal()  # flax.linen.Dense's default kernel_init

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._errors import LayerConfigError
-from ..core._collectives import varying_axes
+from .._axes import cast_varying, varying_axes
 from ..sharding import Sharded
 from ._init import axis_size, check_choice, check_divisible, check_positive, value_of
 from ._linear import ColumnParallelLinear, RowParallelLinear
@@ -43,8 +43,7 @@ def _check_style(layer: str, style: Any) -> None:
 
 def _vary_like(w: Array, x: Array) -> Array:
     """`w` cast to vary over the manual mesh axes `x` varies over (a no-op outside `shard_map`)."""
-    missing = tuple(sorted(varying_axes(x) - varying_axes(w)))
-    return jax.lax.pcast(w, missing, to="varying") if missing else w
+    return cast_varying(w, varying_axes(x))
 
 
 class RMSNorm(eqx.Module):

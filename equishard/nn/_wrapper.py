@@ -8,13 +8,12 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._errors import LayerConfigError
-from ..sharding import Sharded, is_sharded
-from ._init import axis_size as bound_axis_size, check_positive, value_of
-from ._linear import is_bound
+from ..sharding._box import add_leading_axis, drop_leading_axis, is_sharded, plain_arrays
+from .._axes import bound_axis_size, is_bound
+from ._init import check_positive, value_of
 
 
 def _fold_keys(key: PRNGKeyArray, index: Any, split_rngs: bool) -> PRNGKeyArray:
@@ -56,7 +55,7 @@ class ModelParallelismWrapper(eqx.Module):
     model_axis_name: str = eqx.field(static=True)
     mask_except_model_idx: int | None = eqx.field(static=True)
     split_rngs: bool = eqx.field(static=True)
-    inner_boxed: tuple[bool, ...] = eqx.field(static=True)
+    was_plain: tuple[bool, ...] = eqx.field(static=True, repr=False)
 
     def __init__(
         self,
@@ -102,8 +101,8 @@ class ModelParallelismWrapper(eqx.Module):
             indices = jnp.arange(axis_size)
             keys = jax.vmap(lambda i: _fold_keys(key, i, split_rngs))(indices)
             stacked = eqx.filter_vmap(lambda k: module_fn(key=k, **kwargs))(keys)
-        elif is_bound(model_axis_name):
-            count = bound_axis_size(model_axis_name)
+        elif (bound := bound_axis_size(model_axis_name)) is not None:
+            count = bound
             indices = jax.lax.axis_index(model_axis_name)[None]
             module = module_fn(key=_fold_keys(key, indices[0], split_rngs), **kwargs)
             stacked = jax.tree.map(lambda x: x[None] if eqx.is_array(x) else x, module)
@@ -120,20 +119,10 @@ class ModelParallelismWrapper(eqx.Module):
                 )
             mask_except_model_idx %= count
             stacked = _mask(stacked, indices == mask_except_model_idx)
-        leaves, treedef = jax.tree.flatten(stacked, is_leaf=is_sharded)
-        inner = tuple(is_sharded(x) for x in leaves)
         # Global shapes: the copies' axis in front of each copy's global shape (inside
         # shard_map the values are this device's [1, ...] blocks).
-        boxed = [
-            Sharded(x.value, P(model_axis_name, *x.spec), shape=(count, *x.shape))
-            if is_sharded(x)
-            else Sharded(x, P(model_axis_name), shape=(count, *x.shape[1:]))
-            if eqx.is_array(x)
-            else x
-            for x in leaves
-        ]
-        self.module = jax.tree.unflatten(treedef, boxed)
-        self.inner_boxed = inner
+        self.was_plain = plain_arrays(stacked)
+        self.module = add_leading_axis(stacked, model_axis_name, size=count, box_arrays=True)
         self.model_axis_name = model_axis_name
         self.mask_except_model_idx = mask_except_model_idx
         self.split_rngs = split_rngs
@@ -146,12 +135,9 @@ class ModelParallelismWrapper(eqx.Module):
                 f"{name}: each device calls its own copy, so the wrapper runs inside a "
                 f"shard_map over {self.model_axis_name!r}."
             )
-        leaves, treedef = jax.tree.flatten(self.module, is_leaf=is_sharded)
-        out = []
-        for leaf, was_boxed in zip(leaves, self.inner_boxed, strict=True):
+        def mine(leaf: Any) -> Any:
             if not is_sharded(leaf):
-                out.append(leaf)
-                continue
+                return leaf
             value = value_of(leaf)
             if value.shape[0] != 1:
                 raise LayerConfigError(
@@ -159,8 +145,10 @@ class ModelParallelismWrapper(eqx.Module):
                     f"wrapper was built for a model axis {value.shape[0]} times the size "
                     f"{bound_axis_size(self.model_axis_name)} of {self.model_axis_name!r})."
                 )
-            out.append(Sharded(value[0], P(*leaf.spec[1:]), shape=leaf.shape[1:]) if was_boxed else value[0])
-        return jax.tree.unflatten(treedef, out)
+            return leaf.with_value(value[0])
+
+        local = jax.tree.map(mine, self.module, is_leaf=is_sharded)
+        return drop_leading_axis(local, unbox=self.was_plain)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call this device's copy of the module on `*args, **kwargs`."""

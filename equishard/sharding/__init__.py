@@ -6,6 +6,7 @@ from ._box import (
     box as box,
     drop_leading_axis as drop_leading_axis,
     is_sharded as is_sharded,
+    plain_arrays as plain_arrays,
     restrict_specs as restrict_specs,
     unbox as unbox,
 )

@@ -9,6 +9,7 @@ boxes), checkpoints and `eqx.filter_*` transforms all carry the spec with no ext
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -17,6 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, PyTree
 
+from .._axes import entry_axes
 from .._errors import SpecError
 
 
@@ -24,8 +26,7 @@ class Sharded(eqx.Module):
     """An array together with the `PartitionSpec` that says how it is split.
 
     `value` is the global array outside `shard_map` and this device's block inside it
-    (the local view); `spec` and `shape` (the global shape) are static and the same in
-    both. Layers read `self.weight.value`; a plain module that was given boxes by
+    (the local view); `spec` and `global_shape` are static and the same in both. Layers read `self.weight.value`; a plain module that was given boxes by
     `apply_rules` is called through `unbox`.
 
     Because the box is an ordinary pytree node, `jax.tree.map` rebuilds it around new
@@ -39,19 +40,38 @@ class Sharded(eqx.Module):
     - `value`: the array (global outside `shard_map`, a local block inside it).
     - `spec`: a `jax.sharding.PartitionSpec`, one entry per leading dimension (missing
       trailing entries mean "not split"; the box stores it padded with `None`).
-    - `shape`: the global shape; defaults to `value.shape` (pass it when boxing a local
-      block inside `shard_map`).
+    - `global_shape`: the global shape; defaults to `value.shape` (pass it when boxing
+      a local block inside `shard_map`).
+    - `shape`: the former name of `global_shape`, accepted for one release.
     """
 
     value: ArrayLike
     spec: P = eqx.field(static=True)
-    shape: tuple[int, ...] = eqx.field(static=True)
+    global_shape: tuple[int, ...] = eqx.field(static=True)
 
-    def __init__(self, value: ArrayLike, spec: P = P(), shape: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        value: ArrayLike,
+        spec: P = P(),
+        global_shape: tuple[int, ...] | None = None,
+        *,
+        shape: tuple[int, ...] | None = None,
+    ):
         if not isinstance(spec, P):
             raise SpecError(
                 f"Sharded(spec=...) takes a jax.sharding.PartitionSpec, got {spec!r}."
             )
+        if shape is not None:
+            if global_shape is not None:
+                raise SpecError("Sharded: pass global_shape only (shape is its former name).")
+            warnings.warn(
+                "Sharded(shape=...) is renamed Sharded(global_shape=...); `shape` will be "
+                "removed in the next release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            global_shape = shape
+        shape = global_shape
         if shape is None:
             scalar = isinstance(value, (int, float, complex, bool))
             shape = tuple(np.shape(value) if scalar else value.shape)  # type: ignore[union-attr]
@@ -63,7 +83,12 @@ class Sharded(eqx.Module):
             )
         self.value = value
         self.spec = P(*spec, *((None,) * (len(shape) - len(spec))))
-        self.shape = shape
+        self.global_shape = shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global shape: an alias of `global_shape`, kept for one release."""
+        return self.global_shape
 
     def with_value(self, value: ArrayLike) -> "Sharded":
         """The same box (type, spec, global shape) around another value."""
@@ -130,53 +155,90 @@ def box(tree: PyTree, specs: PyTree) -> PyTree:
     )
 
 
-def add_leading_axis(tree: PyTree, entry: str | tuple[str, ...] | None = None) -> PyTree:
-    """Prepend one entry to the spec of every box in `tree`.
+def plain_arrays(tree: PyTree) -> tuple[bool, ...]:
+    """Which leaves of `tree` are plain (unboxed) arrays, boxes counting as leaves.
 
-    For trees whose arrays gained a leading axis, e.g. layers built with
-    `eqx.filter_vmap` and stacked for `jax.lax.scan` (`entry=None`), or pipeline stages
-    stacked over a stage axis (`entry="pp"`).
+    The marker a module that boxes a tree with `add_leading_axis(..., box_arrays=True)`
+    keeps (as a static field), so `drop_leading_axis(..., unbox=marker)` gives back
+    plain arrays where the tree had them and boxes where it had boxes.
+    """
+    return tuple(eqx.is_array(x) for x in jax.tree.leaves(tree, is_leaf=is_sharded))
+
+
+def add_leading_axis(
+    tree: PyTree,
+    entry: str | tuple[str, ...] | None = None,
+    *,
+    size: int | None = None,
+    box_arrays: bool = False,
+) -> PyTree:
+    """Prepend one entry to the spec, and one dimension to the global shape, of every box.
+
+    For trees whose arrays gained a leading axis: layers built with `eqx.filter_vmap`
+    and stacked for `jax.lax.scan` (`entry=None`), pipeline stages stacked over a stage
+    axis (`entry="pp"`), per-device copies of a module.
 
     **Arguments:**
 
     - `tree`: a pytree whose boxes hold arrays with one more leading dimension than
       their specs describe.
     - `entry`: the spec entry for the new leading dimension.
+    - `size`: the global size of the new dimension; defaults to each value's leading
+      size (right outside `shard_map`; inside it, pass the global size).
+    - `box_arrays`: also box the plain arrays of `tree` (spec `P(entry)`); keep
+      `plain_arrays(tree)` to unbox them again with `drop_leading_axis`.
 
     **Returns:**
 
-    `tree` with every box's spec `P(entry, *spec)`.
+    `tree` with every box's spec `P(entry, *spec)` and global shape
+    `(size, *global_shape)`. Boxes keep their class.
     """
 
     def _prepend(x: Any) -> Any:
-        if not is_sharded(x):
-            return x
-        return type(x)(x.value, P(entry, *x.spec), tuple(x.value.shape)[:1] + x.shape)
+        if is_sharded(x):
+            lead = tuple(x.value.shape)[:1] if size is None else (size,)
+            return type(x)(x.value, P(entry, *x.spec), lead + x.global_shape)
+        if box_arrays and eqx.is_array(x):
+            shape = tuple(x.shape) if size is None else (size, *x.shape[1:])
+            return Sharded(x, P(entry), shape)
+        return x
 
     return jax.tree.map(_prepend, tree, is_leaf=is_sharded)
 
 
-def drop_leading_axis(tree: PyTree) -> PyTree:
-    """Remove the first entry of every box's spec and shape (inverse of `add_leading_axis`).
+def drop_leading_axis(tree: PyTree, *, unbox: tuple[bool, ...] | None = None) -> PyTree:
+    """Remove the first entry of every box's spec and global shape (inverse of `add_leading_axis`).
 
     For one layer taken out of a stack, e.g. inside the body of a `jax.lax.scan` over
-    stacked layers, whose values have already lost the leading dimension.
+    stacked layers, whose values have already lost the leading dimension. The global
+    shape stays global inside `shard_map`.
 
     **Arguments:**
 
     - `tree`: a pytree of boxes made for stacked arrays.
+    - `unbox`: the marker `plain_arrays` gave before `add_leading_axis(...,
+      box_arrays=True)`: the boxes it marks are replaced by their values.
 
     **Returns:**
 
     `tree` with every box's spec and global shape for one slice.
     """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+    marks = (False,) * len(leaves) if unbox is None else unbox
+    if len(marks) != len(leaves):
+        raise SpecError(
+            f"drop_leading_axis: the marker has {len(marks)} entries but the tree has "
+            f"{len(leaves)} leaves; it was made for another tree."
+        )
 
-    def _drop(x: Any) -> Any:
+    def _drop(x: Any, plain: bool) -> Any:
         if not is_sharded(x):
             return x
-        return type(x)(x.value, P(*tuple(x.spec)[1:]), x.shape[1:])
+        if plain:
+            return x.value
+        return type(x)(x.value, P(*tuple(x.spec)[1:]), x.global_shape[1:])
 
-    return jax.tree.map(_drop, tree, is_leaf=is_sharded)
+    return jax.tree.unflatten(treedef, [_drop(x, m) for x, m in zip(leaves, marks)])
 
 
 def restrict_specs(tree: PyTree, axis_names: Any) -> PyTree:
@@ -198,14 +260,12 @@ def restrict_specs(tree: PyTree, axis_names: Any) -> PyTree:
     keep = set(axis_names)
 
     def entry(e: Any) -> Any:
-        if e is None:
-            return None
-        names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in keep)
+        names = tuple(n for n in entry_axes(e) if n in keep)
         return None if not names else names[0] if len(names) == 1 else names
 
     def _restrict(x: Any) -> Any:
         if not is_sharded(x):
             return x
-        return type(x)(x.value, P(*(entry(e) for e in x.spec)), x.shape)
+        return type(x)(x.value, P(*(entry(e) for e in x.spec)), x.global_shape)
 
     return jax.tree.map(_restrict, tree, is_leaf=is_sharded)

@@ -20,6 +20,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._axes import bound_axis_size, bound_sizes, global_shape
 from .._errors import LayerConfigError, SpecError
 from ._box import Sharded, is_sharded
 from ._specs import describe_mesh, is_array_like, path_str, spec_axes
@@ -41,17 +42,9 @@ class AutoSharded(Sharded):
     """
 
 
-def _bound_axis_size(axis_name: str) -> int | None:
-    """The size of `axis_name` if it is bound (inside `shard_map`), else `None`."""
-    try:
-        return int(jax.lax.axis_size(axis_name))
-    except NameError:
-        return None
-
-
 def _axis_size(axis_name: str, mesh: Mesh | AbstractMesh | None, fn_name: str) -> tuple[int, bool]:
     """`(size, inside_shard_map)` for `axis_name`."""
-    bound = _bound_axis_size(axis_name)
+    bound = bound_axis_size(axis_name)
     if bound is not None:
         return bound, True
     if mesh is None:
@@ -71,14 +64,8 @@ def _axis_size(axis_name: str, mesh: Mesh | AbstractMesh | None, fn_name: str) -
 
 
 def _global_shape(shape: tuple[int, ...], spec: P, local: bool) -> tuple[int, ...]:
-    if not local:
-        return shape
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        if entry is not None:
-            names = entry if isinstance(entry, tuple) else (entry,)
-            out[dim] *= math.prod(int(jax.lax.axis_size(n)) for n in names)
-    return tuple(out)
+    sizes = bound_sizes(spec) if local else None
+    return shape if sizes is None else global_shape(shape, spec, sizes)
 
 
 def fsdp_dimension(shape: tuple[int, ...], spec: P, size: int) -> int | None:

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._axes import bound_sizes, entry_axes, local_shape, spec_divisors
 from .._errors import SpecError
 from ._box import is_sharded
 
@@ -48,15 +49,7 @@ def path_str(path: Sequence[Any]) -> str:
 
 def spec_axes(spec: P) -> list[str]:
     """The mesh axis names a spec uses, in order (a tuple entry contributes each name)."""
-    axes: list[str] = []
-    for entry in spec:
-        if entry is None:
-            continue
-        if isinstance(entry, tuple):
-            axes.extend(entry)
-        else:
-            axes.append(entry)
-    return axes
+    return [a for entry in spec for a in entry_axes(entry)]
 
 
 def normalize_spec(spec: P, ndim: int) -> P:
@@ -72,21 +65,6 @@ def describe_mesh(mesh: Mesh | jax.sharding.AbstractMesh | None) -> str:
     return f"Mesh({axes})"
 
 
-def _expected_local_shape(shape: tuple[int, ...], spec: P) -> tuple[int, ...] | None:
-    """The block shape inside `shard_map` (`None` outside, where the axes are unbound)."""
-    out = list(shape)
-    try:
-        for dim, entry in enumerate(spec):
-            if entry is None:
-                continue
-            names = entry if isinstance(entry, tuple) else (entry,)
-            for name in names:
-                out[dim] //= int(jax.lax.axis_size(name))
-    except NameError:
-        return None
-    return tuple(out)
-
-
 def box_fits(box: Any) -> bool:
     """Whether a box's value still has the shape its spec was made for.
 
@@ -95,9 +73,10 @@ def box_fits(box: Any) -> bool:
     state that does not mirror its parameter) does not fit.
     """
     shape = tuple(box.value.shape)
-    if shape == box.shape:
+    if shape == box.global_shape:
         return True
-    return shape == _expected_local_shape(box.shape, box.spec)
+    sizes = bound_sizes(box.spec)  # None outside shard_map, where the axes are unbound
+    return sizes is not None and shape == local_shape(box.global_shape, box.spec, sizes)
 
 
 def spec_of_leaf(x: Any) -> P | None:
@@ -202,14 +181,9 @@ def check_spec(
     repeated = sorted({a for a in axes if axes.count(a) > 1})
     if repeated:
         raise SpecError(f"{where}: mesh axis {repeated[0]!r} is used more than once.")
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        names = entry if isinstance(entry, tuple) else (entry,)
-        size = 1
-        for name in names:
-            size *= mesh.shape[name]
+    for dim, (entry, size) in enumerate(zip(spec, spec_divisors(spec, mesh.shape))):
         if shape[dim] % size:
+            names = entry_axes(entry)
             raise SpecError(
                 f"{where}: dimension {dim} has size {shape[dim]}, which is not divisible "
                 f"by {size} (the size of {' x '.join(repr(n) for n in names)})."

@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._axes import local_shape
 from .._text import human_bytes, text_table
 from ._specs import leaves_with_specs
 
@@ -37,17 +38,6 @@ class ParamRow:
     total_bytes: int
 
 
-def local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
-    """The shape of one device's block of an array of `shape` split by `spec` on `mesh`."""
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        names = entry if isinstance(entry, tuple) else (entry,)
-        out[dim] //= math.prod(mesh.shape[n] for n in names)
-    return tuple(out)
-
-
 def param_table(tree: PyTree, mesh: Mesh) -> list[ParamRow]:
     """One `ParamRow` per array of `tree`, in tree order.
 
@@ -64,7 +54,7 @@ def param_table(tree: PyTree, mesh: Mesh) -> list[ParamRow]:
     for path, value, spec in leaves_with_specs(tree):
         shape = tuple(value.shape)
         itemsize = np.dtype(value.dtype).itemsize
-        local = local_shape(shape, spec, mesh)
+        local = local_shape(shape, spec, mesh.shape)
         rows.append(
             ParamRow(
                 path=path,

@@ -28,8 +28,8 @@ import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from .._axes import cast_varying, mesh_ordered, varying_axes, vma_checked
 from .._errors import ConventionError, LayerConfigError
-from ..core._collectives import mesh_ordered, varying_axes, vma_checked
 from ..core._random import global_index
 from ..sharding import filter_shard_map, shard, sharded_init
 from ..sharding._box import is_sharded
@@ -176,7 +176,7 @@ def _vary_over(model: PyTree, axes: tuple[str, ...]) -> tuple[PyTree, PyTree | N
         lambda x: tuple(a for a in mesh_ordered(axes) if a not in varying_axes(x)), arrays
     )
     varying = jax.tree.map(
-        lambda x, missing: jax.lax.pcast(x, missing, to="varying") if missing else x,
+        cast_varying,
         arrays,
         added,
     )
@@ -211,8 +211,7 @@ def _all_finite(mesh: Mesh) -> Callable[[PyTree], Array]:
                 finite = finite & jnp.all(jnp.isfinite(x))
         bad = (~finite).astype(jnp.int32)
         if vma_checked(axes):  # psum needs a value typed as varying over its axes
-            missing = tuple(a for a in mesh_ordered(axes) if a not in varying_axes(bad))
-            bad = jax.lax.pcast(bad, missing, to="varying") if missing else bad
+            bad = cast_varying(bad, axes)
         return jax.lax.psum(bad, axes) == 0
 
     return filter_shard_map(local, mesh=mesh, out_specs=P())
