@@ -261,7 +261,7 @@ def _check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
     Differentiating each device's own loss would give replicated parameters a gradient
     summed over the data axes instead of the single-device one.
     """
-    varying: list[str] = [a for a in mesh_ordered(data_axes) if a in varying_axes(loss)]
+    varying: list[str] = [a for a in data_axes if a in varying_axes(loss)]
     if varying:
         names: str | tuple[str, ...] = tuple(varying) if len(varying) > 1 else varying[0]
         raise ConventionError(
