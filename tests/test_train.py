@@ -223,7 +223,9 @@ def test_every_optax_transform_equals_one_device(name):
             assert rel_err(a["loss"], b["loss"]) <= 1e-6, (name, spec, step, a["loss"], b["loss"])
         # The FSDP wrapper makes the trees differ in structure, not in their arrays.
         ours, theirs = (jax.tree.leaves(es.unbox(es.gather(s.model))) for s in (state, reference))
-        assert max(rel_err(a, b) for a, b in zip(ours, theirs, strict=True)) <= 1e-6, (name, spec)
+        # Parameters: DESIGN's equality (1e-5 per array); measured 1.3e-6 at most
+        # (JAX 0.12, clip+adamw on fsdp=8), 1e-6 on JAX 0.10.
+        assert max(rel_err(a, b) for a, b in zip(ours, theirs, strict=True)) <= 1e-5, (name, spec)
 
 
 def test_the_step_is_traced_once():
