@@ -553,3 +553,32 @@ def test_a_layer_whose_weight_was_not_split_says_so():
     message = str(info.value)
     assert "ColumnParallelLinear: its local weight has shape (64, 16)" in message
     assert "axis 'tp' of size 4 each device should hold 256 elements" in message
+
+
+def test_a_box_whose_value_is_not_its_global_shape_is_refused():
+    with pytest.raises(es.SpecError) as info:
+        es.Sharded(jnp.ones((4, 4)), P("tp"), global_shape=(8, 4))
+    assert "the value has shape (4, 4) but the box's global shape is (8, 4)" in str(info.value)
+    assert "outside `shard_map` a box holds the global array, of shape (8, 4)" in str(info.value)
+    # Inside shard_map a box holds its block: shape= gives the global shape.
+    mesh = es.make_mesh("dp=2,tp=4")
+
+    def block(x):
+        with pytest.raises(es.SpecError, match="inside `shard_map` a box holds this device's block"):
+            es.Sharded(x, P("tp"), global_shape=(16, 4))  # a global shape the block does not fit
+        return es.Sharded(x, P("tp"), global_shape=(8, 4))
+
+    out = jax.jit(es.filter_shard_map(block, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(
+        jnp.ones((8, 4))
+    )
+    assert out.shape == (8, 4)
+
+
+def test_adafactor_factored_moments_still_fall_back_to_replicated():
+    import optax
+
+    mesh = es.make_mesh("dp=2,tp=4")
+    params = {"w": es.shard(es.Sharded(jnp.ones((256, 128)), P("tp")), mesh)}
+    state = optax.adafactor(1e-3, min_dim_size_to_factor=32).init(params)
+    specs = jax.tree.leaves(es.specs_of(state), is_leaf=lambda s: isinstance(s, P))
+    assert P() in specs  # the factored row/column moments do not fit P("tp"): replicated

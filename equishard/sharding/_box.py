@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, PyTree
 
-from .._axes import entry_axes
+from .._axes import bound_axis_size, entry_axes, local_shape
 from .._errors import SpecError
 
 
@@ -72,6 +72,8 @@ class Sharded(eqx.Module):
             )
             global_shape = shape
         shape = global_shape
+        if shape is not None:
+            _check_value_shape(value, P(*spec), tuple(int(d) for d in shape))
         if shape is None:
             scalar = isinstance(value, (int, float, complex, bool))
             shape = tuple(np.shape(value) if scalar else value.shape)  # type: ignore[union-attr]
@@ -93,6 +95,38 @@ class Sharded(eqx.Module):
     def with_value(self, value: ArrayLike) -> "Sharded":
         """The same box (type, spec, global shape) around another value."""
         return eqx.tree_at(lambda b: b.value, self, value)
+
+
+def _check_value_shape(value: Any, spec: P, global_shape: tuple[int, ...]) -> None:
+    """A box's value is its global array outside `shard_map` and its block inside.
+
+    Checked where the global shape is given (without it, it is the value's shape).
+    Outside (no axis of `spec` bound) the value must have the global shape; inside
+    (every axis of `spec` bound) the shape of this device's block. A value of another
+    shape would otherwise not fit its spec and be treated as replicated without a word.
+    Boxes that optax rebuilds around other shapes (adafactor's factored moments) do not
+    come through here and keep falling back to replicated.
+    """
+    value_shape = getattr(value, "shape", None)
+    if value_shape is None:
+        return
+    names = [a for entry in spec for a in entry_axes(entry)]
+    sizes = {a: bound_axis_size(a) for a in names}
+    if all(size is None for size in sizes.values()):
+        expected, holds = global_shape, "outside `shard_map` a box holds the global array"
+    elif all(size is not None for size in sizes.values()):
+        bound = {a: int(size) for a, size in sizes.items() if size is not None}
+        expected = local_shape(global_shape, spec, bound)
+        holds = "inside `shard_map` a box holds this device's block of the global shape"
+    else:
+        return  # some axes manual, some not (shard_map over part of the mesh)
+    if tuple(value_shape) != expected:
+        raise SpecError(
+            f"Sharded: the value has shape {tuple(value_shape)} but the box's global shape "
+            f"is {global_shape} with spec {spec}, so {holds}, of shape {expected}. Pass "
+            f"`global_shape=` the global shape when boxing a block inside `shard_map`, and "
+            f"only there."
+        )
 
 
 def is_sharded(x: Any) -> bool:
