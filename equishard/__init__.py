@@ -9,6 +9,7 @@ from . import core as core, distributed as distributed, nn as nn, sharding as sh
 from ._errors import (
     CheckpointError as CheckpointError,
     ConventionError as ConventionError,
+    DistributedError as DistributedError,
     EquishardError as EquishardError,
     LayerConfigError as LayerConfigError,
     MeshError as MeshError,

@@ -27,6 +27,10 @@ class LayerConfigError(EquishardError):
     """A layer was constructed with an invalid hyperparameter."""
 
 
+class DistributedError(EquishardError):
+    """The multi-process runtime was misconfigured or started too late."""
+
+
 class CheckpointError(EquishardError):
     """A checkpoint is missing, corrupt, or does not fit the model."""
 

@@ -1,13 +1,17 @@
-"""Helpers shared by the tests: the DESIGN tolerance, keys, meshes."""
+"""Helpers shared by the tests: the tolerance, keys, perturbation, and the harness that checks a
+sharded computation against its single-device self on several layouts."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
 
@@ -37,7 +41,7 @@ def rel_err(a, b) -> float:
 
 
 def assert_tree_allclose(a, b, rtol: float | None = None) -> None:
-    """Assert DESIGN's equality (see `tree_allclose`), naming the first array that differs.
+    """Assert equality (see `tree_allclose`), naming the first array that differs.
 
     Boxes are looked through and sharded arrays gathered first.
     """
@@ -59,9 +63,134 @@ def assert_tree_allclose(a, b, rtol: float | None = None) -> None:
 
 
 def tree_allclose(a, b, rtol: float | None = None) -> bool:
-    """DESIGN's equality: per array ‖a−b‖/‖b‖ ≤ rtol (1e-5 fp32, 1e-2 bf16); same structure."""
+    """Equality: per array ‖a−b‖/‖b‖ ≤ rtol (1e-5 fp32, 1e-2 bf16); same structure."""
     try:
         assert_tree_allclose(a, b, rtol)
     except AssertionError:
         return False
     return True
+
+
+def perturb(tree, key, scale: float = 0.1):
+    """`tree` with Gaussian noise (`scale`) added to every floating array.
+
+    Makes zero-initialised biases, LoRA factors and unit norms non-trivial, so a test
+    compares values that could differ.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    out = [
+        x + scale * jax.random.normal(k, x.shape, x.dtype) if eqx.is_inexact_array(x) else x
+        for x, k in zip(leaves, keys)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _spec_axes(spec: P, mesh) -> tuple[str, ...]:
+    axes = [a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))]
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def _split_inputs(inputs: Mapping[str, Any]):
+    float_in = {k: v for k, v in inputs.items() if eqx.is_inexact_array(es.unbox(v))}
+    other_in = {k: v for k, v in inputs.items() if k not in float_in}
+    return float_in, other_in
+
+
+def sharded_value_and_grad(apply: Callable, out_specs: Mapping[str, P], mesh):
+    """The jitted sharded step of `check_against_single_device` on `mesh`.
+
+    `step(model, float_inputs, other_inputs, probes) -> (outs, (model_grads, input_grads))`:
+    inside `filter_shard_map`, `apply(model, inputs)` on the local blocks, the loss
+    `Σ_n <out_n, probe_n>` summed over the axes each output is split over (the global
+    loss), and its gradient with respect to the model and the floating inputs. Outputs
+    leave boxed with `out_specs`.
+    """
+
+    def body(model, float_in, other_in, probes):
+        def loss(diff):
+            model, float_in = diff
+            outs = apply(model, es.unbox({**float_in, **other_in}))
+            total = 0.0
+            for name, out in outs.items():
+                local = jnp.sum(out * probes[name].value)
+                axes = _spec_axes(out_specs[name], mesh)
+                total = total + (jax.lax.psum(local, axes) if axes else local)
+            return total, outs
+
+        (_, outs), grads = eqx.filter_value_and_grad(loss, has_aux=True)((model, float_in))
+        return {n: es.Sharded(o, out_specs[n]) for n, o in outs.items()}, grads
+
+    return eqx.filter_jit(es.filter_shard_map(body, mesh=mesh))
+
+
+def check_against_single_device(
+    build: Callable[[], Any] | Any,
+    apply: Callable[[Any, dict[str, Any]], dict[str, Any]],
+    inputs: Mapping[str, Any],
+    layouts: Sequence[Any],
+    *,
+    out_specs: Mapping[str, P],
+    reference: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+) -> list[tuple[Any, Any]]:
+    """Check a sharded computation, values and gradients, against one device on each layout.
+
+    **Arguments:**
+
+    - `build`: the model (global arrays; boxes carry the specs it is split by), or a
+      function of no arguments that returns it.
+    - `apply`: `apply(model, inputs) -> {name: output}`; run inside `filter_shard_map`
+      on the local blocks.
+    - `inputs`: `{name: es.Sharded(global array, spec)}`; the floating ones are
+      differentiated too.
+    - `layouts`: layout strings (`"dp=2,tp=4"`) or meshes.
+    - `out_specs`: how each output of `apply` is split.
+    - `reference`: the single-device oracle, `reference(model, inputs) -> {name:
+      output}` on global arrays (default: `apply` outside `shard_map`, the layers' own
+      single-device self).
+    - `rtol`: the tolerance (default: 1e-5 fp32, 1e-2 bf16).
+
+    The loss is `Σ_n <out_n, probe_n>` with random probes: outputs, the model's
+    gradient (gathered) and the floating inputs' gradients must equal the reference's.
+
+    **Returns:**
+
+    Per layout, the sharded `(outputs, (model_grads, input_grads))`, for further
+    assertions.
+    """
+    model = build() if callable(build) and not isinstance(build, eqx.Module) else build
+    reference = apply if reference is None else reference
+    float_in, other_in = _split_inputs(inputs)
+    plain_other = es.unbox(other_in)
+
+    def ref_loss(diff, probes):
+        model, float_in = diff
+        outs = reference(model, {**float_in, **plain_other})
+        return sum(jnp.sum(outs[n] * probes[n]) for n in outs), outs
+
+    shapes = jax.eval_shape(lambda: reference(model, es.unbox(inputs)))
+    key = jax.random.key(seed)
+    probes = {
+        n: jax.random.normal(jax.random.fold_in(key, i), s.shape, s.dtype)
+        for i, (n, s) in enumerate(sorted(shapes.items()))
+    }
+    (_, ref_outs), ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(ref_loss, has_aux=True))(
+        (model, es.unbox(float_in)), probes
+    )
+    results = []
+    for layout in layouts:
+        mesh = es.make_mesh(layout) if isinstance(layout, str) else layout
+        step = sharded_value_and_grad(apply, out_specs, mesh)
+        boxed_probes = {n: es.Sharded(p, out_specs[n]) for n, p in probes.items()}
+        outs, grads = step(model, float_in, other_in, boxed_probes)
+        where = f"layout {layout}"
+        try:
+            assert_tree_allclose(es.unbox(outs), ref_outs, rtol)
+            assert_tree_allclose(grads[0], ref_grads[0], rtol)
+            assert_tree_allclose(es.unbox(grads[1]), ref_grads[1], rtol)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
+        results.append((outs, grads))
+    return results

@@ -425,3 +425,26 @@ def test_gather_array_with_mean_grads_in_bf16():
     # The single-device computation with the same cast: fp32 parameter, bf16 in the matmul.
     expected = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w.astype(jnp.bfloat16)) ** 2))(w)
     assert_tree_allclose(grad, expected, rtol=1e-2)
+
+
+@pytest.mark.parametrize("axes", ["tp", ("dp", "tp"), ("tp", "dp")])
+def test_gather_and_scatter_tokens(axes):
+    """The token dimension (-2) gathered whole and reduce-scattered back, in `axes`' order."""
+    from equishard.core import gather_tokens, scatter_tokens
+
+    mesh = es.make_mesh("dp=4,tp=2")
+    names = (axes,) if isinstance(axes, str) else axes
+    n = math.prod(mesh.shape[a] for a in names)
+    x = jax.random.normal(jax.random.key(0), (2, 16, 3))
+    spec = P(None, axes, None)
+
+    def body(x):
+        full = gather_tokens(x, axes)  # f32[2, 16/n, 3] -> f32[2, 16, 3]
+        rank = jax.lax.axis_index(names).astype(full.dtype)
+        back = scatter_tokens(full * (rank + 1), axes)  # Σ_d (d + 1) x, this device's tokens
+        return full[None], back  # every device's gathered copy: f32[1, 2, 16, 3]
+
+    fn = jax.jit(es.filter_shard_map(body, mesh=mesh, in_specs=spec, out_specs=(P(axes), spec)))
+    full, back = fn(x)
+    assert_tree_allclose(full, jnp.broadcast_to(x, (n, *x.shape)))
+    assert_tree_allclose(back, x * (n * (n + 1) / 2))

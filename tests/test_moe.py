@@ -404,6 +404,34 @@ def test_dispatch_choice_in_repr_and_overridable():
     assert es.specs_of(model).gate == P(None, None)
 
 
+def test_with_dispatch_leaves_the_layer_unchanged():
+    model = MoE(8, 16, 4, 2, group_size=4, dispatch="dense", key=jax.random.key(0))
+    ragged = model.with_dispatch("ragged", "emulated")
+    assert model.dispatch == "dense" and ragged.dispatch == "ragged"
+    assert ragged.w_in.value is model.w_in.value and ragged.w_out.value is model.w_out.value
+
+
+def test_transformer_block_with_an_moe_layer():
+    """`TransformerBlock(moe=...)`: the MoE as the feed-forward sub-layer, its aux returned."""
+    from equishard.nn import TransformerBlock
+
+    key = jax.random.key(5)
+    moe = _model()
+    block = TransformerBlock(D, 2, 4 * D, moe=moe, key=key)
+    dense = TransformerBlock(D, 2, 4 * D, key=key)
+    assert_tree_allclose(block.attn, dense.attn)  # the same key gives the same attention
+    x, _ = _inputs()
+    y, aux = block.call_with_aux(x)
+    h = x + block.attn(block.norm1(x))
+    want, want_aux = moe(block.norm2(h))
+    assert_tree_allclose((y, aux), (h + want, want_aux))
+    assert dense.call_with_aux(x)[1] is None
+    with pytest.raises(es.LayerConfigError, match="call_with_aux"):
+        block(x)
+    with pytest.raises(es.LayerConfigError, match="hidden=8 is not d_model=16"):
+        TransformerBlock(16, 2, 64, moe=moe, key=key)
+
+
 def test_bad_configuration():
     key = jax.random.key(0)
     with pytest.raises(es.LayerConfigError, match=r"MoE.*top_k=5.*num_experts=4"):
@@ -427,7 +455,7 @@ def test_bad_input():
     with pytest.raises(es.SpecError, match=r"w_in.*\(6, 8, 16\)"):
         _call(six, x, "ep=4", P(None, "ep"))
     # ... and the layer says so itself when the weights reach it unsplit.
-    with pytest.raises(es.LayerConfigError, match=r"MoE.*num_experts=6.*'ep' of size 4"):
+    with pytest.raises(es.LayerConfigError, match=r"MoE.*num_experts=6 is not divisible by 4, the size of mesh axis 'ep'"):
         _call(six, x, "ep=4", P(None, "ep"), weights=P())
     # Tokens not divisible into groups on each device.
     model = MoE(8, 16, 4, 2, group_size=3, key=key)

@@ -19,7 +19,7 @@ import equishard as es
 from equishard.report import read_collectives
 from equishard.nn import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, vocab_parallel_cross_entropy
 
-from .helpers import assert_tree_allclose
+from .helpers import check_against_single_device, perturb
 
 B, T, V, IN, OUT = 4, 8, 40, 16, 24
 PAD, IGNORE = 3, -100
@@ -29,13 +29,6 @@ SEQUENCE_SPLIT = ("emb_sp", "emb_vocab_sp")
 
 def out_spec(name):
     return P("dp", "tp") if name in SEQUENCE_SPLIT else P("dp")
-
-
-def perturb(tree, key, scale=0.1):
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    out = [x + scale * jax.random.normal(k, x.shape, x.dtype) if eqx.is_inexact_array(x) else x for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, out)
 
 
 def build(key):
@@ -56,7 +49,8 @@ def build(key):
     }
 
 
-def apply(layers, ids, h, logits, labels):
+def apply(layers, inputs):
+    ids, h, logits, labels = (inputs[k] for k in ("ids", "h", "logits", "labels"))
     emb, col, row = layers["chain"]
     return {
         "emb": layers["emb"](ids),
@@ -82,114 +76,65 @@ def per_token(module, x):
     return jax.vmap(jax.vmap(module))(x)
 
 
-@functools.cache
-def reference():
+def reference(layers, inputs):
     """eqx.nn's Embedding -> Linear -> Linear on the master weights, and optax's cross-entropy."""
-    layers, ids, h, logits, labels, probes = problem()
+    ids, h, logits, labels = (inputs[k] for k in ("ids", "h", "logits", "labels"))
     plain = {n: tuple(to_eqx(p) for p in l) if isinstance(l, tuple) else to_eqx(l) for n, l in layers.items()}
 
     def padded(module, ids):
         return jnp.where((ids == PAD)[..., None], 0.0, per_token(module, ids))
 
-    def loss(plain, h, logits):
-        emb, col, row = plain["chain"]
-        ce_head = optax.softmax_cross_entropy_with_integer_labels(
-            per_token(plain["head"], h), jnp.where(labels == IGNORE, 0, labels)
-        )
-        outs = {
-            "emb": per_token(plain["emb"], ids),
-            "emb_vocab": padded(plain["emb_vocab"], ids),
-            "emb_pad": padded(plain["emb_pad"], ids),
-            "chain": per_token(row, per_token(col, per_token(emb, ids))),
-            "ce_head": jnp.where(labels == IGNORE, 0.0, ce_head),
-            "ce": optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0)),
-            "emb_sp": per_token(plain["emb_sp"], ids),
-            "emb_vocab_sp": per_token(plain["emb_vocab_sp"], ids),
-        }
-        return sum(jnp.sum(outs[n] * probes[n]) for n in outs), outs
-
-    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(plain, h, logits)
-    return outs, grads
+    emb, col, row = plain["chain"]
+    ce_head = optax.softmax_cross_entropy_with_integer_labels(
+        per_token(plain["head"], h), jnp.where(labels == IGNORE, 0, labels)
+    )
+    return {
+        "emb": per_token(plain["emb"], ids),
+        "emb_vocab": padded(plain["emb_vocab"], ids),
+        "emb_pad": padded(plain["emb_pad"], ids),
+        "chain": per_token(row, per_token(col, per_token(emb, ids))),
+        "ce_head": jnp.where(labels == IGNORE, 0.0, ce_head),
+        "ce": optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0)),
+        "emb_sp": per_token(plain["emb_sp"], ids),
+        "emb_vocab_sp": per_token(plain["emb_vocab_sp"], ids),
+    }
 
 
 @functools.cache
 def problem():
     key = jax.random.key(1)
-    kl, kp, ki, kh, kg, kq = jax.random.split(key, 6)
+    kl, kp, ki, kh, kg = jax.random.split(key, 5)
     layers = perturb(build(kl), kp)
     ids = jax.random.randint(ki, (B, T), 0, V).at[:, 0].set(PAD)  # the padding row is used
     labels = jax.random.randint(jax.random.fold_in(ki, 1), (B, T), 0, V).at[0, :3].set(IGNORE)
     h = jax.random.normal(kh, (B, T, IN))
     logits = 3.0 * jax.random.normal(kg, (B, T, V))
-    shapes = {"emb": (B, T, IN), "emb_vocab": (B, T, IN), "emb_pad": (B, T, IN), "chain": (B, T, OUT), "ce_head": (B, T), "ce": (B, T), "emb_sp": (B, T, IN), "emb_vocab_sp": (B, T, IN)}
-    probes = {n: jax.random.normal(jax.random.fold_in(kq, i), s) for i, (n, s) in enumerate(shapes.items())}
-    return layers, ids, h, logits, labels, probes
+    return layers, ids, h, logits, labels
 
 
-def masters_of(layers):
-    """Global parameters in eqx.nn's layout: the layers' gradients compared to the reference's."""
-    out = {}
-    for name, layer in layers.items():
-        parts = layer if isinstance(layer, tuple) else (layer,)
-        out[name] = tuple(
-            {"w": p.master_weight} if isinstance(p, ParallelEmbedding) else {"w": p.master_weight, "b": p.master_bias}
-            for p in parts
-        )
-    return out
-
-
-def reference_masters(grads):
-    out = {}
-    for name, g in grads.items():
-        parts = g if isinstance(g, tuple) else (g,)
-        out[name] = tuple({"w": p.weight} if isinstance(p, eqx.nn.Embedding) else {"w": p.weight, "b": p.bias} for p in parts)
-    return out
-
-
-@functools.cache
-def sharded_step(layout):
-    mesh = es.make_mesh(layout)
-
-    def body(layers, ids, h, logits, labels, probes):
-        def loss(layers, h, logits):
-            outs = apply(layers, ids.value, h.value, logits.value, labels.value)
-            total = 0.0
-            for n, out in outs.items():
-                axes = ("dp", "tp") if n in SEQUENCE_SPLIT else ("dp",)
-                total = total + jax.lax.psum(jnp.sum(out * probes[n].value), axes)
-            return total, outs
-
-        (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(layers, h, logits)
-        return {n: es.Sharded(o, out_spec(n)) for n, o in outs.items()}, grads
-
-    return eqx.filter_jit(es.filter_shard_map(body, mesh=mesh))
+OUT_SPECS = {n: out_spec(n) for n in ("emb", "emb_vocab", "emb_pad", "chain", "ce_head", "ce", "emb_sp", "emb_vocab_sp")}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_embeddings_and_cross_entropy_equal_unsharded(layout):
-    layers, ids, h, logits, labels, probes = problem()
-    ref_out, ref_grads = reference()
-    step = sharded_step(layout)
-    outs, grads = step(
-        layers,
-        es.Sharded(ids, P("dp")),
-        es.Sharded(h, P("dp")),
-        es.Sharded(logits, P("dp", None, "tp")),
-        es.Sharded(labels, P("dp")),
-        {n: es.Sharded(p, out_spec(n)) for n, p in probes.items()},
+    layers, ids, h, logits, labels = problem()
+    inputs = {
+        "ids": es.Sharded(ids, P("dp")),
+        "h": es.Sharded(h, P("dp")),
+        "logits": es.Sharded(logits, P("dp", None, "tp")),
+        "labels": es.Sharded(labels, P("dp")),
+    }
+    [(_, (layer_grads, _))] = check_against_single_device(
+        layers, apply, inputs, [layout], out_specs=OUT_SPECS, reference=reference
     )
-    assert_tree_allclose(es.unbox(outs), ref_out)
-    layer_grads, h_grad, logits_grad = es.gather(grads)
-    assert_tree_allclose(masters_of(layer_grads), reference_masters(ref_grads[0]))
-    assert_tree_allclose(es.unbox(h_grad), ref_grads[1])
-    assert_tree_allclose(es.unbox(logits_grad), ref_grads[2])
     # The padding row gets no gradient.
+    layer_grads = es.gather(layer_grads)
     for name in ("emb_vocab", "emb_pad"):
         assert float(jnp.abs(layer_grads[name].master_weight[PAD]).sum()) == 0.0
 
 
 def test_cross_entropy_never_holds_the_full_vocabulary():
-    _, _, _, logits, labels, _ = problem()
+    _, _, _, logits, labels = problem()
     mesh = es.make_mesh("tp=4")
 
     def body(logits, labels):

@@ -17,18 +17,10 @@ from jax.sharding import AxisType, PartitionSpec as P
 import equishard as es
 from equishard.nn import INIT_TYPES, ColumnParallelLinear, RowParallelLinear, init_weight, scale_init
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, check_against_single_device, perturb
 
 B, T, IN, OUT, HID, R = 4, 8, 16, 24, 32, 4
 LAYOUTS = ["dp=1,tp=1", "dp=1,tp=2", "dp=1,tp=4", "dp=1,tp=8", "dp=2,tp=4"]
-
-
-def perturb(tree, key, scale=0.1):
-    """Add noise to every float array (non-zero biases and LoRA factors)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    out = [x + scale * jax.random.normal(k, x.shape, x.dtype) if eqx.is_inexact_array(x) else x for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, out)
 
 
 def build(key):
@@ -78,23 +70,15 @@ def plain_linear(m, x, scale):
     return y
 
 
-def reference(layers, xs, probes):
-    """The single-device computation on the layers' master weights: outputs and grads."""
-    params = {n: tuple(masters(l) for l in v) if isinstance(v, tuple) else masters(v) for n, v in layers.items()}
-    scales = {n: tuple(l.lora_scale for l in v) if isinstance(v, tuple) else v.lora_scale for n, v in layers.items()}
-
-    def loss(params, xs):
-        outs = {}
-        for name, p in params.items():
-            x = xs[INPUT_OF[name]]
-            if isinstance(p, tuple):
-                outs[name] = plain_linear(p[1], plain_linear(p[0], x, scales[name][0]), scales[name][1])
-            else:
-                outs[name] = plain_linear(p, x, scales[name])
-        return sum(jnp.sum(outs[n] * probes[n]) for n in outs), outs
-
-    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, xs)
-    return outs, grads
+def reference(layers, xs):
+    """The single-device computation on the layers' master weights."""
+    outs = {}
+    for name, layer in layers.items():
+        x = xs[INPUT_OF[name]]
+        for part in layer if isinstance(layer, tuple) else (layer,):
+            x = plain_linear(masters(part), x, part.lora_scale)
+        outs[name] = x
+    return outs
 
 
 def make_mesh(layout):
@@ -104,58 +88,29 @@ def make_mesh(layout):
 
 
 @functools.cache
-def sharded_step(layout):
-    """One jitted forward+backward of all layers per mesh (shared by the cases)."""
-    mesh = make_mesh(layout)
-
-    def body(layers, xs, probes):
-        def loss(layers, xs):
-            outs = apply(layers, {k: v.value for k, v in xs.items()})
-            total = sum(jnp.sum(outs[n] * probes[n].value) for n in outs)
-            return jax.lax.psum(total, "dp"), outs
-
-        (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layers, xs)
-        return {n: es.Sharded(o, P("dp")) for n, o in outs.items()}, grads
-
-    return mesh, eqx.filter_jit(es.filter_shard_map(body, mesh=mesh))
-
-
-@functools.cache
 def problem():
     key = jax.random.key(42)
-    kl, kp, kx, kq = jax.random.split(key, 4)
+    kl, kp, kx = jax.random.split(key, 3)
     layers = perturb(build(kl), kp)
     xs = {
         "x16": jax.random.normal(kx, (B, T, IN)),
         "x24": jax.random.normal(jax.random.fold_in(kx, 1), (B, T, OUT)),
     }
-    probes = {n: jax.random.normal(jax.random.fold_in(kq, i), (B, T, OUT_DIM[n])) for i, n in enumerate(OUT_DIM)}
-    return layers, xs, probes, reference(layers, xs, probes)
+    return layers, xs
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_linear_layers_equal_unsharded_forward_and_grads(layout):
-    layers, xs, probes, (ref_out, ref_grads) = problem()
-    _, step = sharded_step(layout)
-    boxed_xs = {k: es.Sharded(v, P("dp")) for k, v in xs.items()}
-    boxed_probes = {k: es.Sharded(v, P("dp")) for k, v in probes.items()}
-    outs, grads = step(layers, boxed_xs, boxed_probes)
-    assert_tree_allclose(es.unbox(outs), ref_out)
-    grads = es.gather(grads)
-    got = {
-        "params": {
-            n: tuple(masters(l) for l in g) if isinstance(g, tuple) else masters(g)
-            for n, g in grads[0].items()
-        },
-        "xs": es.unbox(grads[1]),
-    }
-    assert_tree_allclose(got["params"], ref_grads[0])
-    assert_tree_allclose(got["xs"], ref_grads[1])
+    layers, xs = problem()
+    check_against_single_device(
+        layers, apply, {k: es.Sharded(v, P("dp")) for k, v in xs.items()}, [make_mesh(layout)],
+        out_specs={n: P("dp") for n in OUT_DIM}, reference=reference,
+    )
 
 
 def test_layers_outside_shard_map_are_the_plain_linear_map():
-    layers, xs, probes, (ref_out, _) = problem()
-    assert_tree_allclose(apply(layers, xs), ref_out)
+    layers, xs = problem()
+    assert_tree_allclose(apply(layers, xs), reference(layers, xs))
 
 
 def test_strided_storage_gives_each_device_its_interleaved_parts(getkey):
@@ -275,3 +230,26 @@ def test_features_not_divisible_by_the_axis():
         es.filter_shard_map(lambda layer, x: layer(x), mesh=mesh)(strided, x)
     with pytest.raises(es.LayerConfigError, match=r"stride=4 does not divide the partition of out_features=24 over the 4 devices"):
         jax.eval_shape(replicated, strided, x)
+
+
+def test_layers_compose_with_eqx_sequential(getkey):
+    """`__call__(x, *, key=None)` like Equinox's layers: `eqx.nn.Sequential` chains them."""
+    from equishard.nn import ParallelMLP, RMSNorm, TransformerBlock
+
+    seq = eqx.nn.Sequential([
+        ColumnParallelLinear(IN, HID, gather_output=False, key=getkey()),
+        RowParallelLinear(HID, IN, input_is_parallel=True, key=getkey()),
+        RMSNorm(IN),
+        ParallelMLP(IN, HID, key=getkey()),
+        TransformerBlock(IN, 4, HID, key=getkey()),
+    ])
+    x = jax.random.normal(getkey(), (B, T, IN))
+    by_hand = x
+    for layer in seq.layers:
+        by_hand = layer(by_hand)
+    assert_tree_allclose(seq(x), by_hand)
+    assert_tree_allclose(seq(x, key=getkey()), by_hand)
+    check_against_single_device(
+        seq, lambda m, xs: {"y": m(xs["x"])}, {"x": es.Sharded(x, P("dp"))}, ["dp=2,tp=4"],
+        out_specs={"y": P("dp")},
+    )

@@ -10,18 +10,40 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.nn import ModelParallelismWrapper
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, check_against_single_device
 
-D = 8
+B, T, D = 2, 4, 8
 
 
 def make_wrapper(n, key):
     return ModelParallelismWrapper(
         lambda key: eqx.nn.Linear(D, 4, key=key), "tp", mask_except_model_idx=n - 1, axis_size=n, key=key
+    )
+
+
+def apply(wrapper, xs):
+    """Each device's own copy on its batch: f32[B/dp, T, D] -> f32[1, B/dp, T, 4]."""
+    return {"y": jax.vmap(jax.vmap(wrapper.local_module()))(xs["x"])[None]}
+
+
+def reference(wrapper, xs):
+    """Every copy on the whole batch, on one device: f32[n, B, T, 4]."""
+    copies = es.unbox(wrapper.module)
+    return {"y": eqx.filter_vmap(lambda m: jax.vmap(jax.vmap(m))(xs["x"]))(copies)}
+
+
+@pytest.mark.parametrize("layout", ["dp=1,tp=2", "dp=2,tp=4"])
+def test_wrapper_equals_its_copies_on_one_device(layout):
+    mesh = es.make_mesh(layout)
+    wrapper = make_wrapper(mesh.shape["tp"], jax.random.key(11))
+    x = jax.random.normal(jax.random.key(12), (B, T, D))
+    check_against_single_device(
+        wrapper, apply, {"x": es.Sharded(x, P("dp"))}, [mesh], out_specs={"y": P("tp", "dp")}, reference=reference
     )
 
 

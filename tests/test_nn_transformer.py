@@ -16,20 +16,13 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.nn import TransformerBlock
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, check_against_single_device, perturb
 
 B, S, D, H, F = 2, 16, 32, 8, 64
 LAYOUTS = ["dp=1,tp=1", "dp=1,tp=2", "dp=1,tp=4", "dp=1,tp=8", "dp=2,tp=4"]
 # One block per style (rotary in both; SwiGLU in one, GELU and biases in the other).
 CONFIGS = {"megatron": dict(rotary=True, swiglu=True), "sequence": dict(rotary=True, bias=True)}
 STYLE_SPECS = {"megatron": P("dp"), "sequence": P("dp", "tp")}
-
-
-def perturb(tree, key, scale=0.1):
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    out = [x + scale * jax.random.normal(k, x.shape, x.dtype) if eqx.is_inexact_array(x) else x for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, out)
 
 
 def masters(block):
@@ -91,60 +84,29 @@ def plain_block(p, x, rotary=False, swiglu=False, bias=False):
 @functools.cache
 def problem():
     key = jax.random.key(2)
-    kb, kp, kx, kq = jax.random.split(key, 4)
+    kb, kp, kx = jax.random.split(key, 3)
     blocks = {
         style: perturb(TransformerBlock(D, H, F, style=style, key=jax.random.fold_in(kb, i), **CONFIGS[style]), kp)
         for i, style in enumerate(STYLE_SPECS)
     }
     x = jax.random.normal(kx, (B, S, D))
-    probes = {n: jax.random.normal(jax.random.fold_in(kq, i), (B, S, D)) for i, n in enumerate(blocks)}
-    return blocks, x, probes
+    return blocks, x
 
 
-@functools.cache
-def reference():
-    blocks, x, probes = problem()
-    params = {n: masters(b) for n, b in blocks.items()}
-
-    def loss(params, xs):
-        outs = {n: plain_block(p, xs[n], **CONFIGS[n]) for n, p in params.items()}
-        return sum(jnp.sum(outs[n] * probes[n]) for n in outs), outs
-
-    xs = {style: x for style in STYLE_SPECS}
-    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, xs)
-    return outs, grads
+def apply(blocks, xs):
+    return {style: block(xs[style]) for style, block in blocks.items()}
 
 
-@functools.cache
-def sharded_step(layout):
-    mesh = es.make_mesh(layout)
-
-    def body(blocks, xs, probes):
-        def loss(blocks, xs):
-            outs, total = {}, 0.0
-            for style, block in blocks.items():
-                outs[style] = block(xs[style].value)
-                axes = ("dp", "tp") if style == "sequence" else ("dp",)
-                total = total + jax.lax.psum(jnp.sum(outs[style] * probes[style].value), axes)
-            return total, outs
-
-        (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(blocks, xs)
-        return {n: es.Sharded(o, STYLE_SPECS[n]) for n, o in outs.items()}, grads
-
-    return eqx.filter_jit(es.filter_shard_map(body, mesh=mesh))
+def reference(blocks, xs):
+    """The independent single-device block on the blocks' master weights."""
+    return {n: plain_block(masters(b), xs[n], **CONFIGS[n]) for n, b in blocks.items()}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_block_equals_single_device_block_in_both_styles(layout):
-    blocks, x, probes = problem()
-    ref_out, (ref_params, ref_x) = reference()
+    blocks, x = problem()
     xs = {style: es.Sharded(x, spec) for style, spec in STYLE_SPECS.items()}
-    boxed_probes = {n: es.Sharded(p, STYLE_SPECS[n]) for n, p in probes.items()}
-    outs, (grads, x_grads) = sharded_step(layout)(blocks, xs, boxed_probes)
-    assert_tree_allclose(es.unbox(outs), ref_out)
-    grads = es.gather(grads)
-    assert_tree_allclose({n: masters(g) for n, g in grads.items()}, ref_params)
-    assert_tree_allclose(es.unbox(es.gather(x_grads)), ref_x)
+    check_against_single_device(blocks, apply, xs, [layout], out_specs=STYLE_SPECS, reference=reference)
 
 
 def test_same_key_same_parameters_in_both_styles_and_outside_shard_map(getkey):
@@ -154,7 +116,7 @@ def test_same_key_same_parameters_in_both_styles_and_outside_shard_map(getkey):
     for a, b in zip(jax.tree.leaves(meg), jax.tree.leaves(seq), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Outside any shard_map (the axis not bound) either style is the plain block.
-    blocks, x, _ = problem()
+    blocks, x = problem()
     for style, block in blocks.items():
         got = eqx.filter_jit(lambda b, x: b(x))(block, x)
         want = jax.jit(functools.partial(plain_block, **CONFIGS[style]))(masters(block), x)

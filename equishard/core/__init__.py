@@ -58,7 +58,12 @@ from ._collectives import (
     ring_shift as ring_shift,
 )
 from ._matmul import all_gather_matmul as all_gather_matmul, matmul_reduce_scatter as matmul_reduce_scatter
-from ._gather import gather_array as gather_array, gather_array_with_mean_grads as gather_array_with_mean_grads
+from ._gather import (
+    gather_array as gather_array,
+    gather_array_with_mean_grads as gather_array_with_mean_grads,
+    gather_tokens as gather_tokens,
+    scatter_tokens as scatter_tokens,
+)
 from ._pipeline import (
     PipelineSchedule as PipelineSchedule,
     ScheduleReport as ScheduleReport,

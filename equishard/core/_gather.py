@@ -158,3 +158,45 @@ def _gather_bwd(axes, axis, gather_dtype, grad_scatter_dtype, param_dtype, mean,
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+# ---------------------------------------------------------------------------
+# The token dimension of sequence-parallel activations
+
+
+def gather_tokens(x: Shaped[Array, "*batch tokens dim"], axis_name: AxisName) -> Shaped[Array, "*batch all_tokens dim"]:
+    """All-gather the token dimension (-2) of sequence-sharded activations.
+
+    `f32[..., T/n, D] -> f32[..., T, D]`, the blocks in the order of `axis_name`'s
+    devices (a tuple names one combined axis, in the order given). Its transpose is a
+    reduce-scatter, so the gradient of every device's partial use of the gathered
+    activations is summed.
+
+    **Arguments:**
+
+    - `x`: this device's tokens `[..., T/n, D]`.
+    - `axis_name`: the mesh axis (or tuple of axes) the tokens are split over.
+
+    **Returns:**
+
+    All tokens `[..., T, D]`, replicated over the axis.
+    """
+    return jax.lax.all_gather(x, axis_tuple(axis_name), axis=x.ndim - 2, tiled=True)
+
+
+def scatter_tokens(y: Shaped[Array, "*batch all_tokens dim"], axis_name: AxisName) -> Shaped[Array, "*batch tokens dim"]:
+    """Sum partial results over `axis_name` and keep this device's tokens (dimension -2).
+
+    `f32[..., T, D]` (partial sums) `-> f32[..., T/n, D]`: one reduce-scatter, the
+    inverse layout of `gather_tokens`.
+
+    **Arguments:**
+
+    - `y`: this device's partial sums `[..., T, D]`.
+    - `axis_name`: the mesh axis (or tuple of axes) to sum over and split the tokens over.
+
+    **Returns:**
+
+    This device's tokens of the sum, `[..., T/n, D]`.
+    """
+    return jax.lax.psum_scatter(y, axis_tuple(axis_name), scatter_dimension=y.ndim - 2, tiled=True)

@@ -14,8 +14,8 @@ ways), and compile to collective-permutes only. Their gradients are JAX's transp
 the ring: again collective-permutes interleaved with the matmuls of the backward pass.
 
 The dimension that is gathered or scattered is the second-to-last of `x` (its rows):
-`x` may carry leading batch dimensions, e.g. `f32[B, S/n, D]` for sequence parallelism
-over `S`.
+`x` may carry leading batch dimensions, e.g. `f32[B, T/n, D]` for sequence parallelism
+over `T`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._errors import LayerConfigError, SpecError
 from .._axes import AxisName, axis_tuple, combined_axis_size
+from .._errors import LayerConfigError, SpecError
 from ._collectives import ring_index, ring_shift
 
 

@@ -19,9 +19,9 @@ The pieces, in the order a layer uses them:
   `all_to_all`, gathers and scatters) where it does not (XLA:CPU);
 - `load_balancing_loss` and `router_z_loss` over the whole global batch.
 
-Shapes in comments: `T` tokens on this device, `G` token groups on this device, `S`
-tokens per group, `k` experts per token, `E` experts, `n` the expert-axis size,
-`E/n` experts per device, `C` capacity, `D` the model width.
+Shapes in comments use the [shape letters](../guides/meshes-and-specs.md#shape-letters): `N` tokens routed by this device, `G`
+token groups, `g` tokens per group, `k` experts per token, `E` experts (`E/n` per
+device), `C` capacity, `D` the model width.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def capacity_mask(
     weights = jax.lax.stop_gradient(weights)
 
     def one_group(e: Array, w: Array) -> Array:
-        # int32[S*k] in token-major order: assignment a belongs to token a // k.
+        # int32[g*k] in token-major order: assignment a belongs to token a // k.
         e = e.reshape(n)
         token = jnp.arange(n, dtype=jnp.int32) // k
         index = jnp.arange(n, dtype=jnp.int32)
@@ -288,7 +288,7 @@ def dense_dispatch(
     where = jnp.where(keep, slot, capacity)
     group = jnp.broadcast_to(jnp.arange(groups)[:, None, None], experts.shape)
     updates = jnp.broadcast_to(x[:, :, None, :], (groups, group_tokens, k, dim))
-    # f32[G, S, D] -> f32[E, G, C, D]
+    # f32[G, g, D] -> f32[E, G, C, D]
     buffer = jnp.zeros((num_experts, groups, capacity, dim), x.dtype)
     buffer = buffer.at[experts, group, where].add(updates, mode="drop")
     if axis_name is None:
@@ -321,7 +321,7 @@ def dense_combine(
 
     **Returns:**
 
-    `[G, S, D]`: each token's combined expert output.
+    `[G, g, D]`: each token's combined expert output.
     """
     groups = experts.shape[0]
     if axis_name is not None:
@@ -330,7 +330,7 @@ def dense_combine(
     capacity = y.shape[2]
     where = jnp.where(keep, slot, capacity)
     group = jnp.broadcast_to(jnp.arange(groups)[:, None, None], experts.shape)
-    # f32[E, G, C, D] -> f32[G, S, k, D]; dropped assignments read zeros.
+    # f32[E, G, C, D] -> f32[G, g, k, D]; dropped assignments read zeros.
     gathered = y.at[experts, group, where].get(mode="fill", fill_value=0)
     scale = jnp.where(keep, weights, 0).astype(y.dtype)
     return jnp.einsum("gsk,gskd->gsd", scale, gathered)
@@ -357,7 +357,7 @@ def ragged_all_to_all_emulated(
     output_offsets: Int[Array, " slices"],
     recv_sizes: Int[Array, " slices"],
     *,
-    axis_name: str | tuple[str, ...] | None,
+    axis_name: AxisName | None,
     axis_index_groups: Sequence[Sequence[int]] | None = None,
 ) -> Array:
     """`jax.lax.ragged_all_to_all` built from `all_to_all`, gathers and scatters.
@@ -452,9 +452,9 @@ def native_ragged_all_to_all(backend: str | None = None) -> bool:
 class RaggedPlan(NamedTuple):
     """The bookkeeping `ragged_dispatch` hands to `ragged_combine` (all integer arrays).
 
-    - `order`: `int32[T·k]`, the assignments sorted by expert (kept ones first, in
+    - `order`: `int32[N·k]`, the assignments sorted by expert (kept ones first, in
       expert order; dropped ones last).
-    - `keep`: `bool[T, k]`, which assignments were kept.
+    - `keep`: `bool[N, k]`, which assignments were kept.
     - `send_offsets`, `send_sizes`: `int32[E]`, this device's chunk of each expert in
       its sorted rows.
     - `remote_offsets`: `int32[E]`, where each of those chunks lands on its receiver.
@@ -481,8 +481,8 @@ def _exchange(emulate: bool) -> Callable[..., Array]:
 def _zeros_varying(shape: tuple[int, ...], dtype: jnp.dtype, like: Array) -> Array:
     """Zeros typed as varying over the same manual axes as `like`.
 
-    `jax.lax.ragged_all_to_all` types its result like its `output` argument (JAX 0.10,
-    0.12): an invariant zero buffer would make the received rows look invariant, and the
+    `jax.lax.ragged_all_to_all` types its result like its `output` argument: an
+    invariant zero buffer would make the received rows look invariant, and the
     transpose would then wrongly `psum` their cotangent.
     """
     return cast_varying(jnp.zeros(shape, dtype), varying_axes(like))
@@ -531,7 +531,7 @@ def ragged_dispatch(
     # Kept assignments sorted by expert, dropped ones (key E) at the end.
     order = jnp.argsort(jnp.where(flat_keep, flat_experts, num_experts), stable=True)
     order = order.astype(jnp.int32)
-    sorted_x = x[order // k]  # f32[T*k, D]
+    sorted_x = x[order // k]  # f32[N*k, D]
 
     sizes = jnp.zeros(num_experts, jnp.int32).at[flat_experts].add(flat_keep.astype(jnp.int32))
     offsets = chunk_offsets(sizes)  # int32[E]
@@ -600,7 +600,7 @@ def ragged_combine(
 
     **Returns:**
 
-    `[T, D]`: each token's combined expert output.
+    `[N, D]`: each token's combined expert output.
     """
     tokens, k = weights.shape
     output = _zeros_varying((tokens * k, y.shape[-1]), y.dtype, like=y)
@@ -609,7 +609,7 @@ def ragged_combine(
         back = ragged_all_to_all_emulated(*args, axis_name=None)
     else:
         back = _exchange(emulate)(*args, axis_name=axis_name)
-    # Sorted rows -> assignment order: f32[T*k, D] -> f32[T, k, D]
+    # Sorted rows -> assignment order: f32[N*k, D] -> f32[N, k, D]
     inverse = jnp.zeros(tokens * k, jnp.int32).at[plan.order].set(
         jnp.arange(tokens * k, dtype=jnp.int32)
     )

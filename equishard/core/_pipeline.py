@@ -38,7 +38,6 @@ from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
 from ._collectives import ring_shift
 
-
 # ----------------------------------------------------------------------------------------
 # The schedule: a static table, shared by execution and the report.
 # ----------------------------------------------------------------------------------------
@@ -57,8 +56,8 @@ class PipelineSchedule:
     - `num_stages`: devices along the stage axis, `S`.
     - `num_microbatches`: `M`.
     - `repeats`: local stages per device, `R` (1 for GPipe).
-    - `microbatch`: `int32[T, S]` numpy array, micro-batch index or `-1`.
-    - `repeat`: `int32[T, S]` numpy array, local stage index or `-1`.
+    - `microbatch`: `int32[K, S]` numpy array, micro-batch index or `-1`.
+    - `repeat`: `int32[K, S]` numpy array, local stage index or `-1`.
     """
 
     num_stages: int
@@ -69,7 +68,7 @@ class PipelineSchedule:
 
     @property
     def num_steps(self) -> int:
-        """The schedule's length `T` in steps (`R M + S - 1`)."""
+        """The schedule's length `K` in steps (`R M + S - 1`)."""
         return int(self.microbatch.shape[0])
 
     @property
@@ -123,7 +122,7 @@ def pipeline_schedule(num_stages: int, num_microbatches: int, repeats: int = 1) 
     steps = r * m + s - 1
     t = np.arange(steps)[:, None]
     d = np.arange(s)[None, :]
-    k = t - d  # int[T, S]: index of the piece of work
+    k = t - d  # int[K, S]: index of the piece of work
     valid = (k >= 0) & (k < r * m)
     kc = np.where(valid, k, 0)
     if r == 1:
@@ -145,13 +144,13 @@ class ScheduleReport:
 
     - `name`: `"gpipe"` or `"circular"`.
     - `num_stages`, `num_microbatches`, `repeats`: the schedule's `S`, `M`, `R`.
-    - `num_steps`: `T = R M + S - 1`, the stage calls each device makes.
+    - `num_steps`: `K = R M + S - 1`, the stage calls each device makes.
     - `useful_steps`: `R M`, the stage calls per device whose result is used.
     - `bubble_fraction`: `1 - useful_steps / num_steps`, counted over the table.
     - `saved_stage_calls`: stage calls whose residuals each device keeps for the
-      backward pass of the differentiated scan (`T`: every step, bubbles included).
+      backward pass of the differentiated scan (`K`: every step, bubbles included).
     - `layers_per_stage`: `L / (S R)` when `num_layers` was given, else `None`.
-    - `activation_bytes_per_device`: `T * layers_per_stage * layer_activation_bytes`
+    - `activation_bytes_per_device`: `K * layers_per_stage * layer_activation_bytes`
       when both were given, else `None`.
     """
 
@@ -189,7 +188,7 @@ def schedule_report(
 
     The bubble fraction is counted over the schedule's table (in SPMD every device
     computes at every step, so it cannot be measured). Activation memory follows from
-    autodiff of a `scan`: each device keeps the residuals of every one of its `T` stage
+    autodiff of a `scan`: each device keeps the residuals of every one of its `K` stage
     calls until the backward pass; one stage call on one micro-batch keeps
     `layers_per_stage * layer_activation_bytes`.
 
@@ -278,13 +277,14 @@ def pipeline_layer_order(num_layers: int, num_stages: int, repeats: int = 1) -> 
 # ----------------------------------------------------------------------------------------
 
 
-def _check_stage_output(out: Any, x: Array, what: str) -> None:
+def check_stage_output(out: Any, x: Array, what: str) -> None:
+    """Raise a `LayerConfigError` naming `what` unless `out` has the shape and dtype of `x`."""
     if not hasattr(out, "shape") or tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype:
         got = (
             f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__
         )
         raise LayerConfigError(
-            f"pipeline: the stage {what} returned {got} for an input "
+            f"{what} returned {got} for an input "
             f"{x.dtype}{list(x.shape)}; a pipeline stage must return an activation of "
             f"the same shape and dtype as its input (it is sent on to the next stage)."
         )
@@ -331,7 +331,7 @@ def execute_pipeline_step(
     stage = jax.lax.axis_index(model_axis_name)
     x = jnp.where(stage == 0, input, state)  # f32[b, ...] per stage
     out = module(x, *args, **kwargs)
-    _check_stage_output(out, x, _stage_name(module))
+    check_stage_output(out, x, f"pipeline: the stage {_stage_name(module)}")
     output = jnp.where(stage == num_stages - 1, out, jnp.zeros_like(out))  # last stage only
     new_state = ring_shift(out, model_axis_name, offset=1)  # stage i -> stage i + 1
     return new_state, output
@@ -376,7 +376,7 @@ def _run_schedule(
     axes = varying_axes(x) | {model_axis_name}
     probe = lambda: call(jnp.int32(0), cast_varying(jnp.zeros(mb_shape, x.dtype), axes))  # noqa: E731
     out_aval = jax.eval_shape(probe)
-    _check_stage_output(out_aval, inputs[0], what)
+    check_stage_output(out_aval, inputs[0], f"pipeline: the stage {what}")
     axes = axes | varying_axes(out_aval)
     # Varying over the stage axis once, outside the loop: if `x` carries a gradient
     # (an embedding replicated over the stages), its cotangent is summed over the
@@ -386,7 +386,7 @@ def _run_schedule(
     outputs0 = cast_varying(jnp.zeros(inputs.shape, x.dtype), axes)  # f32[M, b, ...]
 
     stage = jax.lax.axis_index(model_axis_name)
-    tables = (jnp.asarray(schedule.microbatch), jnp.asarray(schedule.repeat))  # i32[T, S]
+    tables = (jnp.asarray(schedule.microbatch), jnp.asarray(schedule.repeat))  # i32[K, S]
 
     def work(state: Array, outputs: Array, mb_row: Array, rep_row: Array) -> tuple[Array, Array]:
         """One step's stage call (`mb_row`, `rep_row`: i32[S], what each device does)."""
@@ -395,7 +395,7 @@ def _run_schedule(
         fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.maximum(mb_row[0], 0), keepdims=False)
         x = jnp.where((stage == 0) & (rep == 0), fresh, state)  # f32[b, ...]
         out = call(rep, x)
-        _check_stage_output(out, x, what)
+        check_stage_output(out, x, f"pipeline: the stage {what}")
         # The last stage on its last repeat finishes micro-batch mb_row[S - 1].
         done = (stage == s - 1) & (rep_row[stage] == r - 1)
         slot = jnp.maximum(mb_row[s - 1], 0)
@@ -412,8 +412,8 @@ def _run_schedule(
         return (cast_varying(state, axes), outputs), None
 
     # All steps but the last send their output on; the last step's output is only the
-    # last stage's result, so it is run outside the loop and sends nothing: T - 1
-    # transfers, forward and backward, instead of T.
+    # last stage's result, so it is run outside the loop and sends nothing: K - 1
+    # transfers, forward and backward, instead of K.
     head = jax.tree.map(lambda t: t[:-1], tables)
     (state, outputs), _ = jax.lax.scan(step, (state0, outputs0), head)
     _, outputs = work(state, outputs, tables[0][-1], tables[1][-1])

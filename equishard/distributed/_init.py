@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import EquishardError
+from .._errors import DistributedError
 
 COORDINATOR_ENV = "EQUISHARD_COORDINATOR"
 """`host:port` of the coordinator (process 0), set by `equishard launch`."""
@@ -61,10 +61,6 @@ NUM_PROCESSES_ENV = "EQUISHARD_NUM_PROCESSES"
 """The number of processes, set by `equishard launch`."""
 LOCAL_DEVICE_COUNT_ENV = "EQUISHARD_LOCAL_DEVICE_COUNT"
 """CPU devices to simulate in this process, set by `equishard launch`."""
-
-
-class DistributedError(EquishardError):
-    """The multi-process runtime was misconfigured or started too late."""
 
 
 def is_launched() -> bool:

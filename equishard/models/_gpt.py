@@ -21,23 +21,26 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._axes import cast_varying, varying_axes
 from .._errors import LayerConfigError
-from ..core import from_last_stage
+from ..core import from_last_stage, gather_tokens
 from ..nn import (
     FSDP,
     ColumnParallelLinear,
     MoE,
-    ParallelAttention,
     ParallelEmbedding,
-    ParallelMLP,
     PipelineModule,
     RMSNorm,
+    TransformerBlock,
     vocab_parallel_cross_entropy,
 )
-from ..nn._linear import gather_tokens
-from ..nn._transformer import _vary_like
-from ..sharding import Parallelism, add_leading_axis, drop_leading_axis, restrict_specs
-from ..sharding import unbox as es_unbox
+from ..sharding import (
+    Parallelism,
+    add_leading_axis,
+    drop_leading_axis,
+    restrict_specs,
+    unbox as es_unbox,
+)
 
 TP = "tp"
 
@@ -100,64 +103,44 @@ class MoEAuxSum(eqx.Module):
         return jax.tree.map(jnp.add, self, other)
 
 
-class Block(eqx.Module):
-    """One pre-norm block: `x + attn(norm(x))`, then `+ mlp(norm(.))` (MLP or MoE)."""
-
-    norm1: RMSNorm
-    attn: ParallelAttention
-    norm2: RMSNorm
-    mlp: ParallelMLP | MoE
-
-    def __init__(self, config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray):
-        akey, mkey = jax.random.split(key)
-        style = "sequence" if par.sequence_parallel else "megatron"
-        self.norm1 = RMSNorm(config.d_model)
-        self.attn = ParallelAttention(
-            config.d_model, config.n_heads, axis_name=TP, style=style, rotary=True,
-            rotary_base=config.rotary_base, key=akey,
+def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray) -> TransformerBlock:
+    """One pre-norm block: rotary attention, then a SwiGLU MLP or (with `moe`) an MoE layer."""
+    style = "sequence" if par.sequence_parallel else "megatron"
+    experts = None
+    if moe:
+        # The block splits `key` into (attention, feed-forward) keys: the MoE takes the second.
+        experts = MoE(
+            config.d_model, config.d_ff, config.num_experts, config.top_k,
+            capacity_factor=config.capacity_factor, group_size=config.moe_group_size,
+            expert_axis_name=par.expert or "ep",
+            data_axis_name=tuple(a for a in par.data_axes if a != par.expert),
+            activation=jax.nn.silu, key=jax.random.split(key)[1],
         )  # fmt: skip
-        self.norm2 = RMSNorm(config.d_model)
-        if moe:
-            self.mlp = MoE(
-                config.d_model, config.d_ff, config.num_experts, config.top_k,
-                capacity_factor=config.capacity_factor, group_size=config.moe_group_size,
-                expert_axis_name=par.expert or "ep",
-                data_axis_name=tuple(a for a in par.data_axes if a != par.expert),
-                activation=jax.nn.silu, key=mkey,
-            )  # fmt: skip
-        else:
-            self.mlp = ParallelMLP(
-                config.d_model, config.d_ff, axis_name=TP, style=style, swiglu=True, key=mkey
-            )
-
-    def __call__(self, x: Float[Array, "batch seq d_model"]) -> tuple[Array, MoEAuxSum]:
-        x = x + self.attn(self.norm1(x))
-        h = self.norm2(x)
-        if isinstance(self.mlp, MoE):
-            y, aux = self.mlp(h)
-            stats = MoEAuxSum(aux.load_balancing_loss, aux.z_loss, aux.dropped)
-            return x + y, stats
-        return x + self.mlp(h), MoEAuxSum.zeros()
+    return TransformerBlock(
+        config.d_model, config.n_heads, config.d_ff, axis_name=TP, style=style, rotary=True,
+        rotary_base=config.rotary_base, swiglu=True, moe=experts, key=key,
+    )  # fmt: skip
 
 
 class Unit(eqx.Module):
     """The repeating unit of the stack: `moe_every` blocks (the last with MoE), or one."""
 
-    blocks: list[Block]
+    blocks: list[TransformerBlock]
 
     def __init__(self, config: GPTConfig, par: Parallelism, *, key: PRNGKeyArray):
         k = max(config.moe_every, 1)
         keys = jax.random.split(key, k)
         self.blocks = [
-            Block(config, par, moe=config.moe_every > 0 and i == k - 1, key=keys[i])
+            _block(config, par, moe=config.moe_every > 0 and i == k - 1, key=keys[i])
             for i in range(k)
         ]
 
     def __call__(self, x: Array) -> tuple[Array, MoEAuxSum]:
         total = MoEAuxSum.zeros()
         for block in self.blocks:
-            x, aux = block(x)
-            total = total + aux
+            x, aux = block.call_with_aux(x)
+            if aux is not None:
+                total = total + MoEAuxSum(aux.load_balancing_loss, aux.z_loss, aux.dropped)
         return x, total
 
 
@@ -316,7 +299,7 @@ class GPT(eqx.Module):
             return self.head(h)
         if self.parallelism.sequence_parallel:
             h = gather_tokens(h, TP)
-        # f32[B, S, D] @ f32[D, V/tp]
+        # f32[B, T(/tp), D] @ f32[D, V/tp]
         return h @ jnp.asarray(self.embed.weight.value).T
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
@@ -330,7 +313,7 @@ class GPT(eqx.Module):
         gradient over the data axes in one all-reduce of `f32[V/tp, D]`; cast by each
         use, it would be reduced twice (once transposed).
         """
-        table = _vary_like(jnp.asarray(self.embed.weight.value), ids)
+        table = cast_varying(jnp.asarray(self.embed.weight.value), varying_axes(ids))
         return eqx.tree_at(lambda m: m.embed.weight.value, self, table)
 
     def loss(
@@ -340,7 +323,7 @@ class GPT(eqx.Module):
 
         **Arguments:**
 
-        - `batch`: this device's `int32[B/data, S + 1]` windows: inputs `[:, :-1]`,
+        - `batch`: this device's `int32[B/data, T + 1]` windows: inputs `[:, :-1]`,
           targets `[:, 1:]`.
         - `key`: unused (the model has no dropout); kept for `make_train_step`.
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..core import mp_reduce
 from .._axes import is_bound
+from ..core import mp_reduce
 
 
 def vocab_parallel_cross_entropy(

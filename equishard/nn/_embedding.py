@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._axes import is_bound
 from .._errors import LayerConfigError
-from ..core import mp_gather, mp_reduce, mp_scatter
+from ..core import mp_gather, mp_reduce, mp_scatter, scatter_tokens
 from ..sharding import Sharded
 from ._init import axis_size, check_choice, check_divisible, check_init_type, check_positive, init_weight, value_of
-from .._axes import is_bound
-from ._linear import lora_scale, master_of, scatter_tokens
+from ._linear import lora_scale, master_of
 
 
 class ParallelEmbedding(eqx.Module):
@@ -134,10 +134,14 @@ class ParallelEmbedding(eqx.Module):
         """The full global table `[num_embeddings, embedding_dim]`; inside `shard_map` gathered."""
         return master_of(self.weight, (self.num_embeddings, self.embedding_dim), self.axis_name)
 
-    def __call__(self, ids: Int[Array, "..."]) -> Float[Array, "... embedding_dim"]:
+    def __call__(
+        self, ids: Int[Array, "..."], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... embedding_dim"]:
         """**Arguments:**
 
         - `ids`: integer token ids of any shape, replicated over the axis.
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
-from .._axes import is_bound
+from .._axes import AxisName, entry_axes, is_bound
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..core._collectives import mesh_ordered, varying_axes
@@ -52,7 +52,7 @@ def _check_dtype(name: str, dtype: Any) -> None:
 def _split_entry(spec: P, axes: tuple[str, ...]) -> tuple[int, Any] | None:
     """The dimension whose spec entry ends with `axes`, and the entry left after them."""
     for dim, entry in enumerate(spec):
-        names = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
+        names = entry_axes(entry)
         if len(names) >= len(axes) and tuple(names[len(names) - len(axes):]) == axes:
             rest = tuple(names[: len(names) - len(axes)])
             return dim, (None if not rest else rest[0] if len(rest) == 1 else rest)
@@ -61,7 +61,7 @@ def _split_entry(spec: P, axes: tuple[str, ...]) -> tuple[int, Any] | None:
 
 def fsdp_gather_params(
     params: PyTree,
-    axis_name: str | tuple[str, ...],
+    axis_name: AxisName,
     gather_dtype: Any = None,
     grad_scatter_dtype: Any = None,
     *,
@@ -127,7 +127,7 @@ def fsdp_gather_params(
 
 def gather_params(
     params: PyTree,
-    axis_name: str | tuple[str, ...],
+    axis_name: AxisName,
     gather_dtype: Any = None,
     grad_scatter_dtype: Any = None,
 ) -> PyTree:

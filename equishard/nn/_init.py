@@ -42,6 +42,14 @@ INIT_TYPES: tuple[str, ...] = get_args(InitType)
 """Every `InitType`, as a tuple: the thirteen initialisations of the PyTorch library."""
 
 
+def default_dtype(dtype: Any = None) -> Any:
+    """`dtype`, or JAX's default float where it is `None`: every layer's default-dtype rule.
+
+    The default float is float32, or float64 with `jax_enable_x64`.
+    """
+    return jnp.result_type(float) if dtype is None else dtype
+
+
 def check_init_type(layer: str, init_type: Any) -> None:
     """Raise a `LayerConfigError` naming `layer` unless `init_type` is an `InitType`."""
     if init_type not in INIT_TYPES:
@@ -96,8 +104,7 @@ def init_weight(
     The global weight, an array of `shape`.
     """
     check_init_type("init_weight", init_type)
-    if dtype is None:
-        dtype = jnp.result_type(float)
+    dtype = default_dtype(dtype)
     fan_in = shape[-1] if shape else 1
     fan_out = shape[-2] if len(shape) > 1 else fan_in
     if init_type == "orthogonal":
@@ -157,8 +164,7 @@ def init_bias(
     The global bias, an array of `shape`.
     """
     check_init_type("init_bias", init_type)
-    if dtype is None:
-        dtype = jnp.result_type(float)
+    dtype = default_dtype(dtype)
     if init_type == "biased_normal":
         return normal_std * jax.random.normal(key, shape, dtype)
     return jnp.zeros(shape, dtype)
@@ -256,8 +262,7 @@ def scale_init(init_fn: Callable[..., Array], scale_factor: float = 1.0) -> Call
     """
 
     def scaled(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any = None) -> Array:
-        if dtype is None:
-            dtype = jnp.result_type(float)
+        dtype = default_dtype(dtype)
         return init_fn(key, shape, dtype) * jnp.asarray(scale_factor, dtype)
 
     return scaled

@@ -11,7 +11,7 @@ weight: `stride=3`). The weight is then stored with that dimension reshaped to
 holds part `r` of each of the `s` pieces, as the PyTorch library's strided
 initialisation gives it; `master_weight` reshapes it back.
 
-Gradients follow equishard's convention (DESIGN, "Gradient convention"): the input of a
+Gradients follow equishard's [gradient convention](../guides/meshes-and-specs.md#gradients-need-no-synchronisation): the input of a
 column layer enters the model-parallel region with `equishard.core.mp_copy` (its
 gradient is summed over the axis), the partial sums of a row layer leave it with
 `mp_reduce` (an all-reduce whose gradient is the identity), so the gradients equal the
@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import is_bound
 from .._errors import LayerConfigError
-from ..core import mp_copy, mp_gather, mp_reduce, mp_scatter
+from ..core import gather_tokens, mp_copy, mp_gather, mp_reduce, mp_scatter, scatter_tokens
 from ..sharding import Sharded
 from ._init import (
     axis_size,
@@ -115,23 +115,6 @@ def scatter_strided(x: Array, axis_name: str, stride: int) -> Array:
     # f32[..., F] -> f32[..., s, F/s] -> f32[..., s, F/(s n)] -> f32[..., F/n]
     x = mp_scatter(x.reshape(*lead, stride, -1), -1, axis_name=axis_name)
     return x.reshape(*lead, -1)
-
-
-def gather_tokens(x: Array, axis_name: str) -> Array:
-    """All-gather the token dimension (-2) of sequence-sharded activations.
-
-    `f32[..., T/n, D] -> f32[..., T, D]`; its transpose is a reduce-scatter, so the
-    gradient of every device's partial use of the gathered activations is summed.
-    """
-    return jax.lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
-
-
-def scatter_tokens(y: Array, axis_name: str) -> Array:
-    """Sum partial results over `axis_name` and keep this device's tokens (dimension -2).
-
-    `f32[..., T, D]` (partial sums) `-> f32[..., T/n, D]`.
-    """
-    return jax.lax.psum_scatter(y, axis_name, scatter_dimension=y.ndim - 2, tiled=True)
 
 
 def lora_scale(layer: str, lora_rank: int | None, lora_alpha: float) -> float:
@@ -256,11 +239,15 @@ class ColumnParallelLinear(eqx.Module):
             return None
         return master_of(self.bias, (self.out_features,), self.axis_name)
 
-    def __call__(self, x: Float[Array, "... in_features"]) -> Float[Array, "... out"]:
+    def __call__(
+        self, x: Float[Array, "... in_features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... out"]:
         """**Arguments:**
 
         - `x`: the input `[..., in_features]`, replicated over the axis; with
           `sequence_parallel`, `[..., tokens/n, in_features]`.
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 
@@ -401,11 +388,15 @@ class RowParallelLinear(eqx.Module):
         """The global bias `[out_features]` (replicated: one bias, not one per device), or `None`."""
         return None if self.bias is None else jnp.asarray(value_of(self.bias))
 
-    def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out_features"]:
+    def __call__(
+        self, x: Float[Array, "... in"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... out_features"]:
         """**Arguments:**
 
         - `x`: this device's `[..., in_features/n]` with `input_is_parallel`, else the
           replicated `[..., in_features]`.
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 

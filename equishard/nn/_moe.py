@@ -32,6 +32,7 @@ from ..core._moe import (
     top_k_router,
 )
 from ..sharding import Sharded
+from ._init import check_choice, check_divisible, check_positive, default_dtype, value_of
 
 _DISPATCHES = ("auto", "dense", "ragged")
 _RAGGED_IMPLS = ("auto", "native", "emulated")
@@ -153,27 +154,18 @@ class MoE(eqx.Module):
         - `key`: a `jax.random.PRNGKey` for the initial weights.
         """
         name = f"MoE(hidden={hidden}, ffn={ffn}, num_experts={num_experts}, top_k={top_k})"
-        for what, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts)):
-            if value < 1:
-                raise LayerConfigError(f"{name}: {what} must be >= 1, got {value}.")
-        if not 1 <= top_k <= num_experts:
+        for what, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k)):
+            check_positive(name, what, value)
+        if top_k > num_experts:
             raise LayerConfigError(
                 f"{name}: top_k={top_k} must be between 1 and num_experts={num_experts}."
             )
         if not capacity_factor > 0:
             raise LayerConfigError(f"{name}: capacity_factor must be > 0, got {capacity_factor}.")
-        if group_size < 1:
-            raise LayerConfigError(f"{name}: group_size must be >= 1, got {group_size}.")
-        if dispatch not in _DISPATCHES:
-            raise LayerConfigError(f"{name}: dispatch={dispatch!r}; expected one of {_DISPATCHES}.")
-        if ragged_impl not in _RAGGED_IMPLS:
-            raise LayerConfigError(
-                f"{name}: ragged_impl={ragged_impl!r}; expected one of {_RAGGED_IMPLS}."
-            )
-        if softmax_over not in ("selected", "all"):
-            raise LayerConfigError(
-                f"{name}: softmax_over={softmax_over!r}; expected 'selected' or 'all'."
-            )
+        check_positive(name, "group_size", group_size)
+        check_choice(name, "dispatch", dispatch, _DISPATCHES)
+        check_choice(name, "ragged_impl", ragged_impl, _RAGGED_IMPLS)
+        check_choice(name, "softmax_over", softmax_over, ("selected", "all"))
         if data_axis_name is None:
             data_axes: tuple[str, ...] = ()
         elif isinstance(data_axis_name, str):
@@ -191,7 +183,7 @@ class MoE(eqx.Module):
         if ragged_impl == "auto":
             ragged_impl = "native" if native else "emulated"
 
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        dtype = default_dtype(dtype)
         gkey, ikey, okey = jax.random.split(key, 3)
         lim_d, lim_f = 1 / math.sqrt(hidden), 1 / math.sqrt(ffn)
         uniform = jax.random.uniform
@@ -239,22 +231,22 @@ class MoE(eqx.Module):
 
         The new layer.
         """
-        if dispatch not in _DISPATCHES:
-            raise LayerConfigError(f"{self._name()}: dispatch={dispatch!r}; expected one of {_DISPATCHES}.")
         impl = self.ragged_impl if ragged_impl is None else ragged_impl
-        if impl not in _RAGGED_IMPLS:
-            raise LayerConfigError(
-                f"{self._name()}: ragged_impl={impl!r}; expected one of {_RAGGED_IMPLS}."
+
+        def build() -> MoE:
+            return MoE(
+                self.hidden, self.ffn, self.num_experts, self.top_k,
+                capacity_factor=self.capacity_factor, group_size=self.group_size,
+                expert_axis_name=self.expert_axis_name, data_axis_name=self.data_axis_name,
+                dispatch=dispatch, ragged_impl=impl, softmax_over=self.softmax_over,
+                activation=self.activation, dtype=value_of(self.gate).dtype,
+                key=jax.random.key(0),
             )
-        native = native_ragged_all_to_all()
-        if dispatch == "auto":
-            dispatch = "ragged" if native else "dense"
-        if impl == "auto":
-            impl = "native" if native else "emulated"
-        out = eqx.tree_at(lambda m: m.gate, self, self.gate)  # a fresh copy
-        object.__setattr__(out, "dispatch", dispatch)
-        object.__setattr__(out, "ragged_impl", impl)
-        return out
+
+        # The new hyperparameters on a shape-only layer (validated and resolved by
+        # `__init__`, no weights drawn), then this layer's weights put in.
+        skeleton = eqx.filter_eval_shape(build)
+        return eqx.tree_at(lambda m: (m.gate, m.w_in, m.w_out), skeleton, (self.gate, self.w_in, self.w_out))
 
     def _name(self) -> str:
         return (
@@ -284,11 +276,7 @@ class MoE(eqx.Module):
             token_axes.append(axis)
         if ep is not None:
             token_axes.append(ep_axis)
-            if self.num_experts % ep:
-                raise LayerConfigError(
-                    f"{name}: num_experts={self.num_experts} is not divisible by the "
-                    f"expert axis {ep_axis!r} of size {ep}."
-                )
+            check_divisible(name, "num_experts", self.num_experts, ep_axis, ep)
         n = 1 if ep is None else ep
         local_experts = self.num_experts // n
         for field, box, want in (
@@ -338,13 +326,15 @@ class MoE(eqx.Module):
     # -------------------------------------------------------------------------- call
 
     def __call__(
-        self, x: Float[Array, "batch seq hidden"]
+        self, x: Float[Array, "batch seq hidden"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "batch seq hidden"], MoEAux]:
         """Route this device's tokens through their experts.
 
         **Arguments:**
 
         - `x`: local tokens `[batch/dp, seq/ep, hidden]`.
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 
@@ -361,7 +351,7 @@ class MoE(eqx.Module):
         capacity = self.capacity
         e_total, k = self.num_experts, self.top_k
 
-        flat = x.reshape(tokens, dim)  # f32[T, D], T = B/dp * S/ep
+        flat = x.reshape(tokens, dim)  # f32[N, D], N = B/dp * T/ep
         gate = jnp.asarray(self.gate.value)
         # f32[T, D] @ f32[D, E] -> f32[T, E], routed in float32
         logits = flat.astype(jnp.float32) @ gate.astype(jnp.float32)
@@ -374,7 +364,7 @@ class MoE(eqx.Module):
         # f32[E/n, D, F], f32[E/n, F, D]
         w_in, w_out = jnp.asarray(self.w_in.value), jnp.asarray(self.w_out.value)
         if self.dispatch == "dense":
-            # f32[G, S, D] -> f32[E/n, n*G, C, D]
+            # f32[G, g, D] -> f32[E/n, n*G, C, D]
             buffer = dense_dispatch(
                 flat.reshape(groups, self.group_size, dim),
                 experts.reshape(grouped),
@@ -388,7 +378,7 @@ class MoE(eqx.Module):
             rows = buffer.reshape(local, sources * capacity, dim)
             hidden = self.activation(jnp.einsum("erd,edf->erf", rows, w_in))
             out = jnp.einsum("erf,efd->erd", hidden, w_out).reshape(buffer.shape)
-            # f32[E/n, n*G, C, D] -> f32[G, S, D]
+            # f32[E/n, n*G, C, D] -> f32[G, g, D]
             y = dense_combine(
                 out, experts.reshape(grouped), slot, keep, weights.reshape(grouped), axis_name=ep_axis
             ).reshape(tokens, dim)

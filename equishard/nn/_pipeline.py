@@ -19,6 +19,8 @@ from ..core import (
     pipeline_schedule,
 )
 from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
+from ..core._pipeline import check_stage_output
+from ._init import check_positive
 
 
 class PipelineModule(eqx.Module):
@@ -93,11 +95,8 @@ class PipelineModule(eqx.Module):
         repeats: int = 1,
         key: PRNGKeyArray,
     ):
-        if num_stages < 1 or repeats < 1 or num_microbatches < 1:
-            raise LayerConfigError(
-                f"PipelineModule: num_stages={num_stages}, repeats={repeats} and "
-                f"num_microbatches={num_microbatches} must all be at least 1."
-            )
+        for what, value in (("num_stages", num_stages), ("repeats", repeats), ("num_microbatches", num_microbatches)):
+            check_positive("PipelineModule", what, value)
         # Both validate: L against S R, and M against S when R > 1.
         order = np.asarray(pipeline_layer_order(num_layers, num_stages, repeats))
         pipeline_schedule(num_stages, num_microbatches, repeats)
@@ -198,13 +197,7 @@ class PipelineModule(eqx.Module):
             def layer_step(h: Array, layer_dyn: PyTree) -> tuple[Array, None]:
                 block = drop_leading_axis(eqx.combine(layer_dyn, static), unbox=self.was_plain)
                 out = block(h, *args, **kwargs)
-                if getattr(out, "shape", None) != h.shape or getattr(out, "dtype", None) != h.dtype:
-                    got = f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__
-                    raise LayerConfigError(
-                        f"PipelineModule: the layer {type(block).__name__} returned {got} "
-                        f"for an input {h.dtype}{list(h.shape)}; every layer of a "
-                        f"pipeline must return an activation of its input's shape and dtype."
-                    )
+                check_stage_output(out, h, f"PipelineModule: the layer {type(block).__name__}")
                 return out, None
 
             h, _ = jax.lax.scan(layer_step, h, mine)  # f32[B/M, ...] per stage

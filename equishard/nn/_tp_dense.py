@@ -62,6 +62,7 @@ from ._init import (
     check_choice,
     check_divisible,
     check_positive,
+    default_dtype,
     scale_init,
     value_of,
 )
@@ -104,7 +105,7 @@ class Dense(eqx.Module):
     ):
         check_positive("Dense", "in_features", in_features)
         check_positive("Dense", "out_features", out_features)
-        dtype = jnp.result_type(float) if dtype is None else dtype
+        dtype = default_dtype(dtype)
         self.kernel = kernel_init(key, (in_features, out_features), dtype)
         self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
         self.in_features = in_features

@@ -2,10 +2,10 @@
 
 Two styles over the same tensor-parallel axis, with the same parameters:
 
-- `style="megatron"` (Megatron-LM tensor parallelism): activations `[..., S, D]` are
+- `style="megatron"` (Megatron-LM tensor parallelism): activations `[..., T, D]` are
   replicated over the axis between sub-layers; each column layer's input is copied in
   (its gradient all-reduced), each row layer's output all-reduced.
-- `style="sequence"` (tensor + sequence parallelism): activations `[..., S/n, D]` are
+- `style="sequence"` (tensor + sequence parallelism): activations `[..., T/n, D]` are
   split over the sequence between sub-layers, so norms and residuals run on `1/n` of
   the tokens; the input of each column layer is all-gathered over the sequence and
   the output of each row layer reduce-scattered over it.
@@ -28,22 +28,25 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._errors import LayerConfigError
 from .._axes import cast_varying, varying_axes
+from .._errors import LayerConfigError
 from ..sharding import Sharded
-from ._init import axis_size, check_choice, check_divisible, check_positive, value_of
+from ._init import (
+    axis_size,
+    check_choice,
+    check_divisible,
+    check_positive,
+    default_dtype,
+    value_of,
+)
 from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._moe import MoE, MoEAux
 
 STYLES = ("megatron", "sequence")
 
 
 def _check_style(layer: str, style: Any) -> None:
     check_choice(layer, "style", style, STYLES)
-
-
-def _vary_like(w: Array, x: Array) -> Array:
-    """`w` cast to vary over the manual mesh axes `x` varies over (a no-op outside `shard_map`)."""
-    return cast_varying(w, varying_axes(x))
 
 
 class RMSNorm(eqx.Module):
@@ -66,16 +69,19 @@ class RMSNorm(eqx.Module):
         - `dtype`: the weight's dtype (default: JAX's default float).
         """
         check_positive("RMSNorm", "dim", dim)
-        if dtype is None:
-            dtype = jnp.result_type(float)
+        dtype = default_dtype(dtype)
         self.weight = Sharded(jnp.ones((dim,), dtype), P()) if use_weight else None
         self.dim = dim
         self.eps = eps
 
-    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+    def __call__(
+        self, x: Float[Array, "... dim"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... dim"]:
         """**Arguments:**
 
         - `x`: `[..., dim]`.
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 
@@ -89,7 +95,7 @@ class RMSNorm(eqx.Module):
             # Vary the weight like `h` before broadcasting it, so that the gradient's sum
             # over the axes `h` varies over is one all-reduce of `f32[dim]` (not of the
             # broadcast `f32[..., dim]`, as JAX's automatic cast after the broadcast gives).
-            weight = _vary_like(value_of(self.weight).astype(compute), h)
+            weight = cast_varying(value_of(self.weight).astype(compute), varying_axes(h))
             h = h * jnp.broadcast_to(weight, h.shape)
         return h.astype(x.dtype)
 
@@ -112,7 +118,7 @@ def rotary_embedding(x: Float[Array, "... seq heads head_dim"], base: float = 10
     seq, head_dim = x.shape[-3], x.shape[-1]
     half = head_dim // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * (2.0 / head_dim))
-    # f32[S, 1, hd/2]
+    # f32[T, 1, hd/2]
     angles = (jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :])[:, None, :]
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
@@ -138,13 +144,13 @@ def causal_attention(
     `[..., seq, heads, head_dim]`.
     """
     seq, head_dim = q.shape[-3], q.shape[-1]
-    # f32[..., S, h, hd] x f32[..., S, h, hd] -> f32[..., h, S, S]
+    # f32[..., T, H/n, hd] x f32[..., T, H/n, hd] -> f32[..., H/n, T, T]
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / math.sqrt(head_dim)
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), scores.shape)
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # f32[..., h, S, S] x f32[..., S, h, hd] -> f32[..., S, h, hd]
+    # f32[..., H/n, T, T] x f32[..., T, H/n, hd] -> f32[..., T, H/n, hd]
     return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
@@ -224,11 +230,15 @@ class ParallelAttention(eqx.Module):
         self.rotary = rotary
         self.rotary_base = rotary_base
 
-    def __call__(self, x: Float[Array, "... tokens d_model"]) -> Float[Array, "... tokens d_model"]:
+    def __call__(
+        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
-        - `x`: `[..., S, d_model]` ("megatron") or this device's `[..., S/n, d_model]`
+        - `x`: `[..., T, d_model]` ("megatron") or this device's `[..., T/n, d_model]`
           ("sequence").
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 
@@ -238,17 +248,17 @@ class ParallelAttention(eqx.Module):
         check_divisible("ParallelAttention", "n_heads", self.n_heads, self.axis_name, n)
         heads = self.n_heads // n
         head_dim = self.d_model // self.n_heads
-        # f32[..., S(/n), D] -> f32[..., S, 3 D/n], ordered (q|k|v, local head, head_dim)
+        # f32[..., T(/n), D] -> f32[..., T, 3 D/n], ordered (q|k|v, local head, head_dim)
         qkv = self.qkv(x)
         qkv = qkv.reshape(*qkv.shape[:-1], 3, heads, head_dim)
         q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
         if self.rotary:
             q = rotary_embedding(q, self.rotary_base)
             k = rotary_embedding(k, self.rotary_base)
-        # f32[..., S, h/n, hd] -> f32[..., S, D/n]
+        # f32[..., T, H/n, hd] -> f32[..., T, D/n]
         out = causal_attention(q, k, v)
         out = out.reshape(*out.shape[:-2], heads * head_dim)
-        # f32[..., S, D/n] @ f32[D/n, D] -> f32[..., S(/n), D]
+        # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return self.proj(out)
 
 
@@ -316,23 +326,27 @@ class ParallelMLP(eqx.Module):
         self.activation = activation
         self.style = style
 
-    def __call__(self, x: Float[Array, "... tokens d_model"]) -> Float[Array, "... tokens d_model"]:
+    def __call__(
+        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
-        - `x`: `[..., S, d_model]` ("megatron") or `[..., S/n, d_model]` ("sequence").
+        - `x`: `[..., T, d_model]` ("megatron") or `[..., T/n, d_model]` ("sequence").
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 
-        `[..., S(/n), d_model]`, laid out like `x`.
+        `[..., T(/n), d_model]`, laid out like `x`.
         """
-        # f32[..., S(/n), D] -> f32[..., S, F/n] (or 2 F/n with swiglu)
+        # f32[..., T(/n), D] -> f32[..., T, F/n] (or 2 F/n with swiglu)
         h = self.up(x)
         if self.swiglu:
             h = h.reshape(*h.shape[:-1], 2, -1)
             h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
         else:
             h = self.activation(h)
-        # f32[..., S, F/n] @ f32[F/n, D] -> f32[..., S(/n), D]
+        # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]
         return self.down(h)
 
 
@@ -344,12 +358,15 @@ class TransformerBlock(eqx.Module):
     (see the module documentation). The parameters are the same in both styles (the
     same key gives the same block), so a model can switch style with `eqx.tree_at` on
     the static fields, or simply be rebuilt.
+
+    With `moe=` the feed-forward sub-layer is that mixture-of-experts layer: call the
+    block through `call_with_aux`, which also returns the layer's `MoEAux`.
     """
 
     norm1: RMSNorm
     attn: ParallelAttention
     norm2: RMSNorm
-    mlp: ParallelMLP
+    mlp: ParallelMLP | MoE
     style: str = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
 
@@ -369,13 +386,14 @@ class TransformerBlock(eqx.Module):
         eps: float = 1e-6,
         init_type: str = "xavier_normal",
         dtype: Any = None,
+        moe: MoE | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
 
         - `d_model`: the model width.
         - `n_heads`: the number of attention heads (divisible by the axis size).
-        - `d_ff`: the MLP's hidden width (divisible by the axis size).
+        - `d_ff`: the MLP's hidden width (divisible by the axis size); unused with `moe`.
         - `axis_name`: the tensor-parallel mesh axis.
         - `style`: `"megatron"` (activations replicated over the axis) or `"sequence"`
           (activations split over the sequence between sub-layers).
@@ -387,9 +405,15 @@ class TransformerBlock(eqx.Module):
         - `eps`: the norms' epsilon.
         - `init_type`: the projections' init type.
         - `dtype`: the parameters' dtype.
+        - `moe`: a mixture-of-experts layer to use as the feed-forward sub-layer
+          instead of the MLP (its width must be `d_model`).
         - `key`: a PRNG key.
         """
         _check_style("TransformerBlock", style)
+        if moe is not None and moe.hidden != d_model:
+            raise LayerConfigError(
+                f"TransformerBlock: the MoE layer's hidden={moe.hidden} is not d_model={d_model}."
+            )
         akey, mkey = jax.random.split(key)
         self.norm1 = RMSNorm(d_model, eps=eps, dtype=dtype)
         self.attn = ParallelAttention(
@@ -397,22 +421,56 @@ class TransformerBlock(eqx.Module):
             rotary_base=rotary_base, bias=bias, init_type=init_type, dtype=dtype, key=akey,
         )  # fmt: skip
         self.norm2 = RMSNorm(d_model, eps=eps, dtype=dtype)
-        self.mlp = ParallelMLP(
+        self.mlp = moe if moe is not None else ParallelMLP(
             d_model, d_ff, axis_name=axis_name, style=style, swiglu=swiglu,
             activation=activation, bias=bias, init_type=init_type, dtype=dtype, key=mkey,
         )  # fmt: skip
         self.style = style
         self.axis_name = axis_name
 
-    def __call__(self, x: Float[Array, "... tokens d_model"]) -> Float[Array, "... tokens d_model"]:
+    def __call__(
+        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
-        - `x`: `[..., S, d_model]` ("megatron", replicated over the axis) or this
-          device's `[..., S/n, d_model]` ("sequence").
+        - `x`: `[..., T, d_model]` ("megatron", replicated over the axis) or this
+          device's `[..., T/n, d_model]` ("sequence").
+        - `key`: ignored (the layer is deterministic); keyword-only, so the layer
+          composes with `eqx.nn.Sequential` like Equinox's own layers.
 
         **Returns:**
 
         The block's output, laid out like `x`.
+
+        **Raises:**
+
+        `LayerConfigError` for a block with an MoE layer, whose auxiliary losses this
+        call would drop: use `call_with_aux`.
+        """
+        if isinstance(self.mlp, MoE):
+            raise LayerConfigError(
+                "TransformerBlock: this block's feed-forward layer is an MoE, whose "
+                "auxiliary losses a plain call would drop; call block.call_with_aux(x)."
+            )
+        return self.call_with_aux(x)[0]
+
+    def call_with_aux(
+        self, x: Float[Array, "... tokens d_model"]
+    ) -> tuple[Float[Array, "... tokens d_model"], MoEAux | None]:
+        """The block's output and, with an MoE layer, its `MoEAux` (else `None`).
+
+        **Arguments:**
+
+        - `x`: as for `__call__` (`[batch, seq/ep, d_model]` with an MoE layer).
+
+        **Returns:**
+
+        `(y, aux)`: the block's output laid out like `x`, and the MoE layer's
+        auxiliary losses and statistics or `None`.
         """
         x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        h = self.norm2(x)
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(h)
+            return x + y, aux
+        return x + self.mlp(h), None

@@ -81,6 +81,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from .._axes import local_shape
 from ..core import expert_capacity
 from .._text import human_bytes, text_table
 from ..models import GPT, GPTConfig
@@ -627,9 +628,7 @@ def _param_rows(tree: Any, sizes: Mapping[str, int]) -> list[ParamRow]:
     rows = []
     for path, value, spec in leaves_with_specs(tree):
         shape = tuple(value.shape)
-        local = list(shape)
-        for dim, axis in enumerate(spec):
-            local[dim] //= math.prod(sizes[a] for a in (axis if isinstance(axis, tuple) else (axis,)) if a)
+        local = local_shape(shape, spec, sizes)
         itemsize = np.dtype(value.dtype).itemsize
         rows.append(
             ParamRow(

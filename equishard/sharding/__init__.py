@@ -21,7 +21,7 @@ from ._init import check_threefry_partitionable as check_threefry_partitionable,
 from ._layout import AXES as AXES, Layout as Layout, Parallelism as Parallelism
 from ._mesh import make_mesh as make_mesh, parse_layout as parse_layout
 from ._place import gather as gather, shard as shard
-from ._rules import apply_rules as apply_rules, spec_for_path as spec_for_path
+from ._rules import apply_rules as apply_rules
 from ._shard_map import filter_shard_map as filter_shard_map
 from ._sync import sync_gradients as sync_gradients
 from ._table import ParamRow as ParamRow, format_param_table as format_param_table, param_table as param_table

@@ -2,15 +2,16 @@
 
 One parser serves the Python API and the command line's `--layout`.
 
-**Axis types.** JAX's own `jax.make_mesh` defaults to `AxisType.Explicit` since 0.10;
-equishard's `make_mesh` builds `AxisType.Auto` axes, deliberately:
+**Axis types.** JAX's own `jax.make_mesh` defaults to `AxisType.Explicit`;
+equishard's `make_mesh` builds `AxisType.Auto` axes, deliberately (see
+[Meshes and specs](../guides/meshes-and-specs.md#a-mesh)):
 
 - every collective equishard issues is explicit, inside `shard_map`, where all axes are
   manual and the outer axis type changes nothing;
 - outside `shard_map`, what a user runs on placed arrays (an optimizer's `init`,
   metrics, data preparation) works as plain JAX code with Auto axes, while Explicit axes
   make eager operations on sharded arrays demand a `jax.set_mesh` context
-  (`optax.adafactor(...).init(params)` fails without one on JAX 0.10).
+  (`optax.adafactor(...).init(params)` fails without one).
 
 Meshes with Explicit axes (a user's own `jax.make_mesh`) are supported everywhere:
 `shard` and `filter_shard_map` place arrays with `jax.sharding.reshard` on them, and

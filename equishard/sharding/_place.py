@@ -85,7 +85,7 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree | None = None) -> PyTree:
 
 
 def gather(tree: PyTree, *, mesh: Mesh | None = None, device: Any = None) -> PyTree:
-    """Bring every array of `tree` back whole (the seeds' `master_weight`).
+    """Bring every array of `tree` back whole (the PyTorch library's `master_weight`).
 
     Outside `jit` the arrays are copied onto one device (never aliased, so donating the
     sharded originals later leaves them intact): give `unbox(gather(model))` to code

@@ -39,14 +39,6 @@ def _compile_rules(rules: Rules) -> list[tuple[re.Pattern[str], P]]:
     return compiled
 
 
-def spec_for_path(path: str, rules: Rules) -> P:
-    """The spec the first matching rule gives `path` (`P()` if none matches)."""
-    for pattern, spec in _compile_rules(rules):
-        if pattern.search(path):
-            return spec
-    return P()
-
-
 def apply_rules(tree: PyTree, rules: Rules, *, strict: bool = False) -> PyTree:
     """Give every array of an unmodified model a spec by path rules.
 

@@ -32,8 +32,6 @@ from ._specs import (
     specs_of,
 )
 
-_NO_RECORD = object()
-
 
 def _is_spec_or_none(x: Any) -> bool:
     return x is None or is_spec(x)

@@ -52,11 +52,6 @@ def spec_axes(spec: P) -> list[str]:
     return [a for entry in spec for a in entry_axes(entry)]
 
 
-def normalize_spec(spec: P, ndim: int) -> P:
-    """Pad `spec` with `None` to `ndim` entries (specs with fewer entries mean the same)."""
-    return P(*spec, *((None,) * (ndim - len(spec))))
-
-
 def describe_mesh(mesh: Mesh | jax.sharding.AbstractMesh | None) -> str:
     """A short description of a mesh for error messages: `Mesh('dp': 4, 'tp': 2)`."""
     if mesh is None:
