@@ -327,6 +327,34 @@ def test_launcher_stops_everything_when_one_process_fails(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--warmup", "-5"], "--warmup must be 0 or more, got -5."),
+        (["--batch-size", "6"], "--batch-size 6 is not divisible by the 4 ways"),
+        (["--checkpoint-dir", "{file}"], "is a file, not a directory"),
+    ],
+)
+def test_every_process_raises_the_same_error(extra, message, tmp_path):
+    """A bad option, a layout that does not fit, an unusable directory: each process says
+    the same one line, and the launcher exits with its status."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    extra = [arg.replace("{file}", str(a_file)) for arg in extra]
+    log = tmp_path / "launch.log"
+    argv = [*ARGS, "--run-dir", str(tmp_path / "run"), *extra]
+    code = _launch(log, "equishard", "train", *argv).wait(timeout=LAUNCH_TIMEOUT)
+    text = log.read_text()
+    assert code == 2 and "Traceback" not in text, text
+    errors = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"\[(\d)\] (equishard train: error: .*)", line)
+        if match:
+            errors.setdefault(match[1], []).append(match[2])
+    assert sorted(errors) == ["0", "1"], text
+    assert errors["0"] == errors["1"] and len(errors["0"]) == 1 and message in errors["0"][0]
+
+
+@pytest.mark.parametrize(
     "argv,message",
     [
         (["launch", "-n", "3", "--", "true"], "does not split evenly over 3 processes"),

@@ -458,6 +458,26 @@ def test_resume_past_steps_says_so(nan_run, tmp_path, capsys):
     assert "is at step 2, and --steps is 2: nothing is left to train" in _one_line_error(capsys)
 
 
+def test_resume_step_continues_from_an_earlier_step(nan_run, tmp_path, capsys):
+    """`--resume-step 1` with step 2 still there is refused before any compute (the run
+    would save step 2 again); with step 2 moved away it trains on from step 1."""
+    from equishard._cli import main
+    from equishard.models._gpt import canonical_path
+
+    run = tmp_path / "run"
+    shutil.copytree(nan_run[0], run)
+    argv = [*TRAIN, "--steps", "3", "--run-dir", str(run), "--resume-step", "1"]
+    assert main(argv) == 2
+    message = _one_line_error(capsys)
+    assert "--resume-step 1" in message and "later step(s) 2" in message
+    shutil.move(run / "checkpoints" / "2", tmp_path / "suspect-step-2")
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-2:] == [2, 3]
+    with Checkpointer(run / "checkpoints", path_map=canonical_path) as ckpt:
+        assert ckpt.latest_step() == 3
+
+
 def test_resume_over_another_corpus_is_refused(nan_run, tmp_path, capsys):
     from equishard._cli import main
 

@@ -419,6 +419,14 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
             f"--resume: the checkpoint in {checkpoint_dir} is at step {step}, and --steps is "
             f"{config.steps}: nothing is left to train; pass --steps above {step} to train on."
         )
+    later = [s for s in ckpt.all_steps() if s > step]
+    if later:  # this run would save those steps again, and no checkpoint is written over
+        raise CheckpointError(
+            f"--resume-step {step}: {checkpoint_dir} also holds later step(s) "
+            f"{', '.join(map(str, later))}, which this run would save again, and equishard "
+            f"never writes over a checkpoint; move them out of the directory first (keep "
+            f"them if they are only suspect), then resume."
+        )
     return state
 
 
