@@ -502,7 +502,7 @@ def test_resume_over_another_corpus_is_refused(nan_run, tmp_path, capsys):
     [
         (lambda x: x * 2, P(), "output `<root>` (local shape (4, 4)) with out_spec P() on Mesh('dp': 2, 'tp': 4): the value varies over 'dp'"),
         (lambda x: {"a": x, "b": x.sum()}, {"a": P("dp"), "b": P()}, "output `['b']` (local shape ())"),
-        (lambda x: x * 2, P("xx"), "out_specs P('xx',): axis 'xx' is not an axis of the mesh"),
+        (lambda x: x * 2, P("xx"), "out_specs P('xx',) on Mesh('dp': 2, 'tp': 4): axis 'xx' is not an axis of the mesh"),
         (lambda x: x * 2, P("dp", None, None), "the spec has 3 entries but the output has only 2 dimensions"),
         (lambda x: x * 2, (P("dp"), P()), "do not match the structure of the outputs"),
     ],

@@ -95,14 +95,7 @@ def _check_out_specs(out: PyTree, out_specs: PyTree, mesh: Mesh, manual: frozens
                 f"output `{path_str((*spec_path, *leaf_path))}` (local shape "
                 f"{tuple(x.shape)}) with out_spec {spec} on {describe_mesh(mesh)}"
             )
-            if not is_spec(spec):
-                raise SpecError(f"{where}: an out_spec must be a PartitionSpec or None.")
-            unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
-            if unknown:
-                raise SpecError(
-                    f"{where}: axis {unknown[0]!r} is not an axis of the mesh (its axes are "
-                    f"{tuple(mesh.shape)})."
-                )
+            _check_out_spec(where, spec, mesh)
             if len(spec) > x.ndim:
                 raise SpecError(
                     f"{where}: the spec has {len(spec)} entries but the output has only "
@@ -127,14 +120,19 @@ def _check_out_axes(out_specs: PyTree, mesh: Mesh) -> None:
         if spec is None:
             continue
         where = f"out_specs entry `{path_str(path)}` {spec!r}" if path else f"out_specs {spec!r}"
-        if not is_spec(spec):
-            raise SpecError(f"{where}: an out_spec must be a PartitionSpec or None.")
-        unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
-        if unknown:
-            raise SpecError(
-                f"{where}: axis {unknown[0]!r} is not an axis of the mesh "
-                f"{describe_mesh(mesh)} (its axes are {tuple(mesh.shape)})."
-            )
+        _check_out_spec(f"{where} on {describe_mesh(mesh)}", spec, mesh)
+
+
+def _check_out_spec(where: str, spec: Any, mesh: Mesh) -> None:
+    """`spec` is a PartitionSpec whose every axis is an axis of `mesh`."""
+    if not is_spec(spec):
+        raise SpecError(f"{where}: an out_spec must be a PartitionSpec or None.")
+    unknown = [a for a in spec_axes(spec) if a not in mesh.shape]
+    if unknown:
+        raise SpecError(
+            f"{where}: axis {unknown[0]!r} is not an axis of the mesh (its axes are "
+            f"{tuple(mesh.shape)})."
+        )
 
 
 def _argument_names(fn: Callable, count: int) -> list[str]:
