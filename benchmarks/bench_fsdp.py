@@ -38,8 +38,8 @@ def main() -> None:
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import equishard as es
-    from equishard.report import collective_bytes, count_collectives, read_collectives
     from equishard.nn import FSDP
+    from equishard.report import collective_bytes, count_collectives, read_collectives
 
     class Layer(eqx.Module):
         w1: jax.Array

@@ -138,6 +138,7 @@ def _state_jit(step: Any, state: Any) -> tuple[Any, Any, Any]:
 def equishard_side(config: Any, layout: Any, batch: Any) -> dict[str, Any]:
     """Build, compile and prepare equishard's step; returns its pieces and facts."""
     import jax
+
     from equishard.models import GPT
     from equishard.train import init_train_state, make_train_step
 
@@ -165,6 +166,7 @@ def equishard_side(config: Any, layout: Any, batch: Any) -> dict[str, Any]:
 def _plain_with_specs(model: Any) -> Any:
     """The one-device model of `model`, its boxes carrying `model`'s specs by path."""
     import jax
+
     from equishard import Sharded, gather, is_sharded
     from equishard.models._gpt import canonical_path, to_single_device
     from equishard.sharding._specs import leaves_with_specs, path_str
@@ -182,6 +184,7 @@ def _plain_with_specs(model: Any) -> Any:
 
 def _shardings(tree: Any, mesh: Any) -> Any:
     import jax
+
     from equishard import specs_of
     from equishard.sharding._specs import is_spec
 
@@ -196,8 +199,9 @@ def gspmd_side(es: dict[str, Any], layout: Any, batch_host: Any) -> dict[str, An
     """The same network, parameters and batch under plain `jax.jit` + NamedSharding."""
     import equinox as eqx
     import jax
-    from equishard import make_mesh
     from jax.sharding import AxisType, NamedSharding
+
+    from equishard import make_mesh
 
     mesh = make_mesh(layout.spec, axis_types=AxisType.Auto)
     optimizer = _optimizer()
@@ -296,9 +300,9 @@ def _memory(compiled: Any) -> dict[str, int]:
 
 def bench_layout(spec: str, moe: bool, options: dict[str, Any], repeats: int) -> dict[str, Any]:
     import numpy as np
+
     from equishard.report import gpt_minimum, report
-    from equishard.sharding import param_table
-    from equishard.sharding import Layout
+    from equishard.sharding import Layout, param_table
 
     config = _config(moe)
     layout = Layout(spec, **options)
@@ -381,6 +385,7 @@ def bench_single_device(repeats: int) -> dict[str, Any]:
     import equinox as eqx
     import jax
     import numpy as np
+
     from equishard.models import GPT
     from equishard.models._gpt import to_single_device
     from equishard.sharding import Layout

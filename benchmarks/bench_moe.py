@@ -21,10 +21,8 @@ import argparse
 import statistics
 import time
 
-
-from _common import use_simulated_cpu_devices
-
 import jax  # noqa: E402
+from _common import use_simulated_cpu_devices
 
 use_simulated_cpu_devices(8)
 
@@ -32,8 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import equishard as es  # noqa: E402
-from equishard.report import collective_bytes, count_collectives, read_collectives  # noqa: E402
 from equishard.nn import MoE  # noqa: E402
+from equishard.report import collective_bytes, count_collectives, read_collectives  # noqa: E402
 
 
 def _step(model: MoE, x: jax.Array, c: jax.Array, mesh: jax.sharding.Mesh):

@@ -25,10 +25,8 @@ import argparse
 import statistics
 import time
 
-
-from _common import use_simulated_cpu_devices
-
 import jax  # noqa: E402
+from _common import use_simulated_cpu_devices
 
 use_simulated_cpu_devices(8)
 
@@ -38,8 +36,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import equishard as es  # noqa: E402
 from equishard.core import from_last_stage, pipeline_schedule, schedule_report
-from equishard.report import collective_bytes, read_collectives
 from equishard.nn import PipelineModule  # noqa: E402
+from equishard.report import collective_bytes, read_collectives
 
 
 def _rms(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -34,8 +34,8 @@ matplotlib.use("Agg")
 import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 import equishard as es  # noqa: E402
 from equishard.core import pipeline_schedule, ring_shift  # noqa: E402

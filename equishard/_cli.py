@@ -94,8 +94,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: Any) -> None:
-    from .models import PRESETS
     from ._app import TrainConfig
+    from .models import PRESETS
 
     d = TrainConfig()
     p = sub.add_parser(

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from equishard._cli import main
 from equishard._app import Run, TrainConfig
+from equishard._cli import main
 from equishard.models._gpt import canonical_path
 from equishard.train import Checkpointer
 

@@ -31,7 +31,7 @@ from equishard.core import (
     ring_reduce_scatter_split,
     ring_shift,
 )
-from equishard.report import count_collectives, collective_bytes, read_collectives
+from equishard.report import collective_bytes, count_collectives, read_collectives
 
 from .helpers import assert_tree_allclose
 

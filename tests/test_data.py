@@ -11,6 +11,7 @@ import pytest
 import equishard as es
 from equishard._app import (
     ByteCorpus,
+    _data as data,
     get_batch,
     load_stdlib_corpus,
     split_batch,
@@ -18,7 +19,6 @@ from equishard._app import (
     stdlib_files,
     unigram_entropy,
 )
-from equishard._app import _data as data
 
 
 def test_selection_is_the_documented_one():

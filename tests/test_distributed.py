@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from equishard._app import Run, TrainConfig, get_batch, load_stdlib_corpus
 from equishard._cli import main
 from equishard._launch import child_command
 from equishard.distributed import (
@@ -35,7 +36,6 @@ from equishard.distributed import (
     process_rows,
 )
 from equishard.models._gpt import canonical_path
-from equishard._app import Run, TrainConfig, get_batch, load_stdlib_corpus
 from equishard.train import Checkpointer
 
 STEPS = 10

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import mp_copy, mp_reduce
-from equishard.report import collective_bytes, count_collectives, read_collectives
 from equishard.nn import FSDP, fsdp_gather_params, gather_params
+from equishard.report import collective_bytes, count_collectives, read_collectives
 
 from .helpers import assert_tree_allclose
 

@@ -16,8 +16,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
+from equishard.nn import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    vocab_parallel_cross_entropy,
+)
 from equishard.report import read_collectives
-from equishard.nn import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, vocab_parallel_cross_entropy
 
 from .helpers import check_against_single_device, perturb
 

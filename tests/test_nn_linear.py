@@ -15,7 +15,13 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import equishard as es
-from equishard.nn import INIT_TYPES, ColumnParallelLinear, RowParallelLinear, init_weight, scale_init
+from equishard.nn import (
+    INIT_TYPES,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_weight,
+    scale_init,
+)
 
 from .helpers import assert_tree_allclose, check_against_single_device, perturb
 

@@ -23,8 +23,8 @@ from equishard.core import (
     pipeline_schedule,
     schedule_report,
 )
-from equishard.report import read_collectives
 from equishard.nn import PipelineModule
+from equishard.report import read_collectives
 
 from .helpers import assert_tree_allclose
 

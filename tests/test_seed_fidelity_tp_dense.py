@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import equishard as es
 from equishard.nn import Dense, TPAsyncDense, TPDense

@@ -11,13 +11,11 @@ import optax
 import pytest
 
 import equishard as es
-from equishard.models import GPT, GPTConfig, cast_floating
 from equishard._app import get_batch, load_stdlib_corpus
+from equishard.models import GPT, GPTConfig, cast_floating
+from equishard.report import collective_bytes, read_collectives
 from equishard.sharding import Layout
 from equishard.train import init_train_state, make_train_step
-
-
-from equishard.report import collective_bytes, read_collectives
 
 from .helpers import assert_tree_allclose, rel_err
 

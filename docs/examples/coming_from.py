@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.nn import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+
 # --8<-- [end:setup]
 
 # --8<-- [start:torch]

@@ -135,10 +135,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from jaxtyping import Array, Float, Int, PRNGKeyArray  # noqa: E402
 
 import equishard as es  # noqa: E402
-from equishard.models import GPT, PRESETS  # noqa: E402
-from equishard.models._gpt import count_parameters  # noqa: E402
 from equishard import Layout  # noqa: E402
 from equishard._app import get_batch, load_stdlib_corpus  # noqa: E402  (the demo's corpus)
+from equishard.models import GPT, PRESETS  # noqa: E402
+from equishard.models._gpt import count_parameters  # noqa: E402
 from equishard.train import TrainState, init_train_state, make_train_step  # noqa: E402
 
 TEACHER_LAYOUT = Layout("tp=4")

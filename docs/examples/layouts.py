@@ -17,7 +17,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.report import count_collectives, read_collectives
+from equishard.report import read_collectives
+
 # --8<-- [end:setup]
 
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.core import capacity_mask, expert_capacity, top_k_router
 from equishard.report import collective_bytes, count_collectives, read_collectives
+
 # --8<-- [end:setup]
 
 # --8<-- [start:capacity]

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.core import from_last_stage, pipeline_schedule, schedule_report
 from equishard.report import count_collectives, read_collectives
+
 # --8<-- [end:setup]
 
 # --8<-- [start:schedule]

@@ -16,7 +16,6 @@ import tempfile
 import equinox as eqx
 import optax
 
-import equishard as es
 from equishard import Layout
 from equishard._app import get_batch, load_stdlib_corpus  # the `equishard train` demo's corpus
 from equishard.models import GPT, PRESETS, count_parameters
@@ -27,6 +26,7 @@ from equishard.train import (
     init_train_state,
     make_train_step,
 )
+
 # --8<-- [end:setup]
 
 # --8<-- [start:data]

@@ -24,21 +24,6 @@ from ._attention import (
     zigzag_permute as zigzag_permute,
     zigzag_unpermute as zigzag_unpermute,
 )
-from ._moe import (
-    RaggedPlan as RaggedPlan,
-    capacity_mask as capacity_mask,
-    chunk_offsets as chunk_offsets,
-    dense_combine as dense_combine,
-    dense_dispatch as dense_dispatch,
-    expert_capacity as expert_capacity,
-    load_balancing_loss as load_balancing_loss,
-    native_ragged_all_to_all as native_ragged_all_to_all,
-    ragged_all_to_all_emulated as ragged_all_to_all_emulated,
-    ragged_combine as ragged_combine,
-    ragged_dispatch as ragged_dispatch,
-    router_z_loss as router_z_loss,
-    top_k_router as top_k_router,
-)
 from ._collectives import (
     ReduceOp as ReduceOp,
     async_gather as async_gather,
@@ -57,12 +42,30 @@ from ._collectives import (
     ring_reduce_scatter_split as ring_reduce_scatter_split,
     ring_shift as ring_shift,
 )
-from ._matmul import all_gather_matmul as all_gather_matmul, matmul_reduce_scatter as matmul_reduce_scatter
 from ._gather import (
     gather_array as gather_array,
     gather_array_with_mean_grads as gather_array_with_mean_grads,
     gather_tokens as gather_tokens,
     scatter_tokens as scatter_tokens,
+)
+from ._matmul import (
+    all_gather_matmul as all_gather_matmul,
+    matmul_reduce_scatter as matmul_reduce_scatter,
+)
+from ._moe import (
+    RaggedPlan as RaggedPlan,
+    capacity_mask as capacity_mask,
+    chunk_offsets as chunk_offsets,
+    dense_combine as dense_combine,
+    dense_dispatch as dense_dispatch,
+    expert_capacity as expert_capacity,
+    load_balancing_loss as load_balancing_loss,
+    native_ragged_all_to_all as native_ragged_all_to_all,
+    ragged_all_to_all_emulated as ragged_all_to_all_emulated,
+    ragged_combine as ragged_combine,
+    ragged_dispatch as ragged_dispatch,
+    router_z_loss as router_z_loss,
+    top_k_router as top_k_router,
 )
 from ._pipeline import (
     PipelineSchedule as PipelineSchedule,

@@ -40,7 +40,6 @@ from .._axes import (
 )
 from .._errors import MeshError, SpecError
 
-
 # ---------------------------------------------------------------------------
 # Axis bookkeeping (axis names, sizes and varying types live in `equishard._axes`)
 

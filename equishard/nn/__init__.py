@@ -1,8 +1,14 @@
 """Equinox layers in local view, composing `equishard.core`."""
 
-from ._moe import MoE as MoE, MoEAux as MoEAux
 from ._cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from ._embedding import ParallelEmbedding as ParallelEmbedding
+from ._fsdp import (
+    FSDP as FSDP,
+    fsdp_gather_params as fsdp_gather_params,
+    fsdp_wrap as fsdp_wrap,
+    gather_params as gather_params,
+    shard_module_params as shard_module_params,
+)
 from ._init import (
     INIT_TYPES as INIT_TYPES,
     InitType as InitType,
@@ -11,9 +17,13 @@ from ._init import (
     initialize_model_parallel_affine_weight_ as initialize_model_parallel_affine_weight_,
     scale_init as scale_init,
 )
-from ._linear import ColumnParallelLinear as ColumnParallelLinear, RowParallelLinear as RowParallelLinear
+from ._linear import (
+    ColumnParallelLinear as ColumnParallelLinear,
+    RowParallelLinear as RowParallelLinear,
+)
+from ._moe import MoE as MoE, MoEAux as MoEAux
+from ._pipeline import PipelineModule as PipelineModule
 from ._tp_dense import Dense as Dense, TPAsyncDense as TPAsyncDense, TPDense as TPDense
-from ._wrapper import ModelParallelismWrapper as ModelParallelismWrapper
 from ._transformer import (
     ParallelAttention as ParallelAttention,
     ParallelMLP as ParallelMLP,
@@ -22,11 +32,4 @@ from ._transformer import (
     causal_attention as causal_attention,
     rotary_embedding as rotary_embedding,
 )
-from ._fsdp import (
-    FSDP as FSDP,
-    fsdp_wrap as fsdp_wrap,
-    fsdp_gather_params as fsdp_gather_params,
-    gather_params as gather_params,
-    shard_module_params as shard_module_params,
-)
-from ._pipeline import PipelineModule as PipelineModule
+from ._wrapper import ModelParallelismWrapper as ModelParallelismWrapper

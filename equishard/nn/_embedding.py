@@ -14,7 +14,15 @@ from .._axes import is_bound
 from .._errors import LayerConfigError
 from ..core import mp_gather, mp_reduce, mp_scatter, scatter_tokens
 from ..sharding import Sharded
-from ._init import axis_size, check_choice, check_divisible, check_init_type, check_positive, init_weight, value_of
+from ._init import (
+    axis_size,
+    check_choice,
+    check_divisible,
+    check_init_type,
+    check_positive,
+    init_weight,
+    value_of,
+)
 from ._linear import lora_scale, master_of
 
 

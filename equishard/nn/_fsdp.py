@@ -34,8 +34,8 @@ from .._axes import AxisName, entry_axes, is_bound
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..core._collectives import mesh_ordered, varying_axes
-from ..sharding._box import Sharded, is_sharded
 from ..core._gather import check_local_loss_convention
+from ..sharding._box import Sharded, is_sharded
 from ..sharding._fsdp import (
     DEFAULT_MIN_WEIGHT_SIZE,
     AutoSharded,
@@ -43,6 +43,7 @@ from ..sharding._fsdp import (
     shard_params,
 )
 from ..sharding._specs import is_array_like, path_str, spec_axes
+
 
 def _check_dtype(name: str, dtype: Any) -> None:
     if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):

@@ -18,8 +18,8 @@ from ..core import (
     pipeline_layer_order,
     pipeline_schedule,
 )
-from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
 from ..core._pipeline import check_stage_output
+from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
 from ._init import check_positive
 
 

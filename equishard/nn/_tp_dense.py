@@ -41,8 +41,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import is_bound

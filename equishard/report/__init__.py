@@ -9,7 +9,16 @@ alone, and sets the measured bytes beside `gpt_minimum`, the analytical minimum 
 `equishard.report._minimum` for every formula).
 """
 
+from .._text import human_bytes as human_bytes
 from ._axes import axes_of_groups as axes_of_groups, axes_of_pairs as axes_of_pairs
+from ._gpt import (
+    PLAN_PRESETS as PLAN_PRESETS,
+    AbstractStep as AbstractStep,
+    abstract_train_step as abstract_train_step,
+    check_gpt_layout as check_gpt_layout,
+    gpt_report as gpt_report,
+    preset as preset,
+)
 from ._hlo import (
     COLLECTIVE_KINDS as COLLECTIVE_KINDS,
     CollectiveOp as CollectiveOp,
@@ -18,14 +27,6 @@ from ._hlo import (
     count_collectives as count_collectives,
     parse_replica_groups as parse_replica_groups,
     read_collectives as read_collectives,
-)
-from ._gpt import (
-    PLAN_PRESETS as PLAN_PRESETS,
-    AbstractStep as AbstractStep,
-    abstract_train_step as abstract_train_step,
-    check_gpt_layout as check_gpt_layout,
-    gpt_report as gpt_report,
-    preset as preset,
 )
 from ._minimum import (
     Minimum as Minimum,
@@ -48,4 +49,3 @@ from ._report import (
     memory_stats as memory_stats,
     report as report,
 )
-from .._text import human_bytes as human_bytes

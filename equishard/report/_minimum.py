@@ -82,8 +82,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from .._axes import local_shape
-from ..core import expert_capacity
 from .._text import human_bytes, text_table
+from ..core import expert_capacity
 from ..models import GPT, GPTConfig
 from ..models._gpt import canonical_path
 from ..nn import RMSNorm

@@ -16,8 +16,8 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._errors import MeshError
-from ._mesh import make_mesh, parse_layout
 from ._fsdp import DEFAULT_MIN_WEIGHT_SIZE
+from ._mesh import make_mesh, parse_layout
 
 AXES = ("dp", "fsdp", "tp", "ep", "pp")
 """The axis names a layout may use: data, fully-sharded data, tensor, expert, pipeline."""

@@ -7,8 +7,8 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax.core import Tracer
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._box import is_sharded

@@ -20,8 +20,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._errors import SpecError
-from ._place import _map_with_specs, place
 from ..core._collectives import varying_axes
+from ._place import _map_with_specs, place
 from ._specs import (
     check_tree_specs,
     describe_mesh,

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from .._errors import CheckpointError
