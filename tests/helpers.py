@@ -71,6 +71,12 @@ def tree_allclose(a, b, rtol: float | None = None) -> bool:
     return True
 
 
+def jax_array(box: es.Sharded) -> jax.Array:
+    """The array in `box`, asserted to be a `jax.Array` (a box may also hold a NumPy array)."""
+    assert isinstance(box.value, jax.Array), type(box.value)
+    return box.value
+
+
 def perturb(tree, key, scale: float = 0.1):
     """`tree` with Gaussian noise (`scale`) added to every floating array.
 

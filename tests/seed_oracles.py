@@ -111,7 +111,8 @@ def gather_array_with_mean_grads(x, axis, axis_name, gather_dtype=None, grad_sca
             x = x.astype(gather_dtype)
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True), grad_fn
 
-    return f(x)
+    gathered: jax.Array = f(x)  # pyright: ignore[reportAssignmentType] (custom_gradient)
+    return gathered
 
 
 # ----------------------------------------------------------------- pipeline_parallel.py

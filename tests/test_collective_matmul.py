@@ -80,7 +80,7 @@ def matmuls_program(layout, axes):
     """Values and gradients of every collective matmul, compiled."""
 
     def local(ins):
-        return {k: fn(*ins[k], axes) for k, (fn, _) in RINGS.items()}
+        return {k: fn(ins[k][0], ins[k][1], axes) for k, (fn, _) in RINGS.items()}
 
     in_specs = ({k: specs(k, axes)[:2] for k in RINGS},)
     out_specs = {k: specs(k, axes)[2] for k in RINGS}

@@ -199,7 +199,9 @@ def test_moe():
     assert "capacity_factor 1.25: 5 slots per expert" in out
     assert "kept (capacity 3):    [0, 1, 1, 0, 1, 0]" in out
     single = lines_after(out, "one device:")[0]
-    dropped = int(re.search(r"dropped (\d+)", single).group(1))
+    match = re.search(r"dropped (\d+)", single)
+    assert match, single
+    dropped = int(match[1])
     assert dropped > 0
     for dispatch in ("dense ", "ragged"):
         line = lines_after(out, f"dp=2,ep=4 {dispatch}:")[0]

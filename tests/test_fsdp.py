@@ -50,7 +50,7 @@ class Block(eqx.Module):
         # Megatron's conjugate operators, so that the block is also right without the
         # varying-axes check (the seeds' local-loss convention runs that way).
         x_tp = mp_copy(x, axis_name="tp")
-        h = jax.nn.relu(x_tp @ self.w1.value + self.b1.value[None])  # f32[B/d, D] @ f32[D, F/tp]
+        h = jax.nn.relu(x_tp @ self.w1.value + jnp.asarray(self.b1.value)[None])  # f32[B/d, D] @ f32[D, F/tp]
         y = mp_reduce(h @ self.w2.value, axis_name="tp") + self.b2[None]  # f32[B/d, F/tp] @ f32[F/tp, D]
         return x + y * self.scale[None]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -84,7 +85,8 @@ def reference_moe(gate, w_in, w_out, x, *, top_k, capacity_factor, group_size,
 
 
 def _reference_loss(params, x, c, **kw):
-    y, (lb, z, dropped, load), _ = reference_moe(*params, x, **kw)
+    gate, w_in, w_out = params
+    y, (lb, z, dropped, load), _ = reference_moe(gate, w_in, w_out, x, **kw)
     loss = jnp.mean(jnp.sum(y * c, axis=-1)) + LB_COEF * lb + Z_COEF * z
     return loss, (y, lb, z, dropped, load)
 
@@ -96,7 +98,7 @@ def _inputs():
     return x, c
 
 
-def _model(data_axis_name=None, dispatch="dense", capacity_factor=FACTOR):
+def _model(data_axis_name=None, dispatch: Literal["auto", "dense", "ragged"] = "dense", capacity_factor=FACTOR):
     return MoE(
         D, F, E, K,
         capacity_factor=capacity_factor,
@@ -133,7 +135,7 @@ def _loss(model, x, c, axes):
 
 
 @functools.cache
-def _run(layout, dispatch="dense", capacity_factor=FACTOR):
+def _run(layout, dispatch: Literal["auto", "dense", "ragged"] = "dense", capacity_factor=FACTOR):
     """Loss, output, aux and gradients of the layer on `layout` (None: no shard_map)."""
     x, c = _inputs()
     grad_fn = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)

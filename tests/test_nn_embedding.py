@@ -89,7 +89,9 @@ def reference(layers, inputs):
     def padded(module, ids):
         return jnp.where((ids == PAD)[..., None], 0.0, per_token(module, ids))
 
-    emb, col, row = plain["chain"]
+    chain = plain["chain"]
+    assert isinstance(chain, tuple)
+    emb, col, row = chain
     ce_head = optax.softmax_cross_entropy_with_integer_labels(
         per_token(plain["head"], h), jnp.where(labels == IGNORE, 0, labels)
     )
@@ -156,7 +158,9 @@ def test_cross_entropy_never_holds_the_full_vocabulary():
     for op in ops:
         for _, shape in (*op.operand_shapes, *op.result_shapes):
             assert V not in shape, (op.kind, shape)
-    dims = [int(d) for group in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", compiled.as_text()) for d in group.split(",") if d]
+    text = compiled.as_text()
+    assert text is not None
+    dims = [int(d) for group in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", text) for d in group.split(",") if d]
     assert V // 4 in dims and V not in dims
 
 

@@ -139,7 +139,9 @@ def test_init_types_are_mesh_invariant_and_mean_what_they_say():
 
     def make(k):
         keys = jax.random.split(k, len(INIT_TYPES) + 2)
-        layers = [ColumnParallelLinear(IN, OUT, init_type=t, key=kk) for t, kk in zip(INIT_TYPES, keys)]
+        layers: list[ColumnParallelLinear | RowParallelLinear] = [
+            ColumnParallelLinear(IN, OUT, init_type=t, key=kk) for t, kk in zip(INIT_TYPES, keys)
+        ]
         layers.append(RowParallelLinear(OUT, IN, stride=3, init_type="biased_normal", key=keys[-2]))
         layers.append(ColumnParallelLinear(IN, OUT, stride=3, lora_rank=R, key=keys[-1]))
         return layers
@@ -175,6 +177,7 @@ def test_lora_starts_at_its_base_and_trains_alone_with_a_filter(getkey):
     x = jax.random.normal(getkey(), (T, IN))
     assert_tree_allclose(lora(x), base(x))  # B starts at zero
     row = RowParallelLinear(IN, OUT, lora_rank=R, key=key)
+    assert row.lora_b is not None
     np.testing.assert_array_equal(np.asarray(row.lora_b.value), 0)
 
     # Freeze everything but the factors with an Equinox filter; one optax step.

@@ -5,6 +5,7 @@ gradient against an independent single-device block on tp = 1, 2, 4, 8 and dp=2 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,7 +22,10 @@ from .helpers import assert_tree_allclose, check_against_single_device, perturb
 B, S, D, H, F = 2, 16, 32, 8, 64
 LAYOUTS = ["dp=1,tp=1", "dp=1,tp=2", "dp=1,tp=4", "dp=1,tp=8", "dp=2,tp=4"]
 # One block per style (rotary in both; SwiGLU in one, GELU and biases in the other).
-CONFIGS = {"megatron": dict(rotary=True, swiglu=True), "sequence": dict(rotary=True, bias=True)}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "megatron": dict(rotary=True, swiglu=True),
+    "sequence": dict(rotary=True, bias=True),
+}
 STYLE_SPECS = {"megatron": P("dp"), "sequence": P("dp", "tp")}
 
 

@@ -63,7 +63,7 @@ class Attention(eqx.Module):
 
     def __call__(self, x, *, key):  # x: f32[S, D], one example
         seq = x.shape[0]
-        head = self.wq.out_features // self.n_heads
+        head = int(self.wq.out_features) // self.n_heads
         q = rope(jax.vmap(self.wq)(x).reshape(seq, self.n_heads, head))
         k = rope(jax.vmap(self.wk)(x).reshape(seq, self.n_kv_heads, head))
         v = jax.vmap(self.wv)(x).reshape(seq, self.n_kv_heads, head)
@@ -237,7 +237,8 @@ def test_dropout_keys_belong_to_the_example():
 
 def test_fsdp_splits_most_of_a_plain_models_bytes_by_default():
     mesh = es.make_mesh("fsdp=8")
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    with use_mesh(mesh):
         model = es.nn.fsdp_wrap(Llama(key=jax.random.key(0)), "fsdp", policy=fsdp_policy)
     split = total = 0
     for leaf in jax.tree.leaves(model, is_leaf=es.is_sharded):

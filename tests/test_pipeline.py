@@ -374,7 +374,7 @@ def test_stage_box_reports_global_shape():
             self.w = es.Sharded(jax.random.normal(key, (D, D)) / D**0.5, P(None, "tp"))
 
         def __call__(self, h):
-            seen.append((self.w.global_shape, self.w.shape, tuple(self.w.value.shape)))
+            seen.append((self.w.global_shape, self.w.shape, tuple(jnp.shape(self.w.value))))
             return h
 
     pipe = PipelineModule(Recorder, "pp", 2, num_layers=2, num_stages=2, key=jax.random.key(0))

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import equishard as es
-from equishard.train import Checkpointer
+from equishard.train import Checkpointer, init_train_state, make_train_step
 from equishard.train._checkpoint import FAULT_ENV, probe_writable
 from equishard.train._format import checksums
 
@@ -549,8 +549,8 @@ def test_a_loss_not_reduced_over_the_data_axes_is_explained():
     def local_loss(model, batch, key):  # the local mean, never pmean-ed
         return jnp.mean((batch @ model.value) ** 2), {}
 
-    step = es.train.make_train_step(local_loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
-    state = es.train.init_train_state(lambda k: model, optax.sgd(0.1), jax.random.key(0), mesh=mesh)
+    step = make_train_step(local_loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
+    state = init_train_state(lambda k: model, optax.sgd(0.1), jax.random.key(0), mesh=mesh)
     with pytest.raises(es.ConventionError) as info:
         step(state, jnp.ones((8, 4)))
     message = str(info.value)

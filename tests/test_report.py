@@ -233,7 +233,7 @@ def test_replica_groups_to_mesh_axes(attrs, axes):
 
 def test_sub_axis_groups_and_pairs():
     groups = parse_replica_groups("replica_groups=mesh['x'=8] {'x':(1)2}", 8)
-    assert groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert groups is not None and groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert axes_of_groups(groups, {"a": 2, "b": 4}) == ("a",)
     assert axes_of_pairs([(0, 1), (1, 0), (2, 3), (3, 2)], MESH) == ("b",)
     assert axes_of_pairs([(0, 2), (2, 4), (4, 6), (6, 0)], MESH) == ("a",)

@@ -179,6 +179,7 @@ def test_gather_params_averages_gradients_like_reference(n):
 
         def theirs(w, b):
             (dw,) = [ref.shard_dimension(w.shape, (None, None), n, 0)]
+            assert dw is not None
             i = jax.lax.axis_index("x")
             blk = w.shape[dw] // n
             w_local = jax.lax.dynamic_slice_in_dim(w, i * blk, blk, dw)
@@ -315,6 +316,9 @@ def test_pipeline_functions_match_reference(n):
     out = pipeline_program(n, m)(w, x, ct)
     ours, theirs = out["ours"], out["ref"]
     for a, r, what in zip(ours, theirs, ("state", "step output", "step grads", "pipeline", "pipeline grads")):
-        assert_tree_allclose(a, r), what
+        try:
+            assert_tree_allclose(a, r)
+        except AssertionError as err:
+            raise AssertionError(f"{what}: {err}") from None
     step_output = np.asarray(ours[1])  # zero on every stage but the last
     assert not step_output[:-1].any() and step_output[-1].any()

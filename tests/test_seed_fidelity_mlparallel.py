@@ -147,6 +147,7 @@ def test_biased_normal_leaves_the_parallel_layers_bias_at_zero():
     key = jax.random.key(0)
     col = ColumnParallelLinear(8, 16, init_type="biased_normal", key=key)
     row = RowParallelLinear(16, 8, init_type="biased_normal", key=key)
+    assert col.bias is not None and row.bias is not None
     assert not np.asarray(col.bias.value).any() and not np.asarray(row.bias.value).any()
 
 
