@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._axes import cast_varying
 from .._errors import LayerConfigError
 from ._collectives import (
     AxisName,
@@ -38,7 +39,6 @@ from ._collectives import (
     combined_axis_size,
     mesh_ordered,
     ring_shift,
-    to_varying,
     varying_axes,
 )
 
@@ -136,8 +136,7 @@ def _mask(q_pos, kv_pos, q_seg, kv_seg, kv_valid, causal: bool) -> Array:
 
 def _vary_like(x: Array, *refs: Array) -> Array:
     """`x` cast to vary along every manual axis any of `refs` varies along."""
-    axes = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(x)
-    return to_varying(x, tuple(mesh_ordered(tuple(sorted(axes))))) if axes else x
+    return cast_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
 
 
 def _reduce_to(ct: Array, primal: Array) -> Array:
@@ -711,7 +710,7 @@ def _kv_of(c: _Canon, axis_name, segmented: bool) -> tuple[Array, ...]:
     same on every device and stay local.
     """
     kv = (c.k, c.v, c.kv_pos, c.kv_seg) if segmented else (c.k, c.v, c.kv_pos)
-    return to_varying(kv, axis_name)
+    return cast_varying(kv, axis_name)
 
 
 def _with_kv(c: _Canon, kv: tuple[Array, ...]) -> _Canon:
@@ -731,7 +730,7 @@ def _ring_forward(c: _Canon, axis_name, causal: bool, scale: float, bq: int, bk:
     out = _vary_like(jnp.zeros((b, sq, hkv, g, d), jnp.float32), *refs)
     lse = _vary_like(jnp.full((b, sq, hkv, g), -jnp.inf, jnp.float32), *refs)
     count = _vary_like(jnp.zeros((), jnp.int32), *refs)
-    out, lse, count = to_varying((out, lse, count), axis_name)
+    out, lse, count = cast_varying((out, lse, count), axis_name)
 
     def attend(kv, out, lse, count):
         out, lse, m = _flash_forward(_with_kv(c, kv), causal, scale, bq, bk, (out, lse))
@@ -781,7 +780,7 @@ def _ring_bwd(axis_name, causal, scale, bq, bk, segmented, res, dout):
         dkv, dq = attend(kv, dkv, dq)
         return (nxt, ring_shift(dkv, axis_name, 1), dq), None
 
-    (kv, dkv, dq), _ = jax.lax.scan(step, (_kv_of(c, axis_name, segmented), to_varying(dkv, axis_name), to_varying(dq, axis_name)), None, length=n - 1)
+    (kv, dkv, dq), _ = jax.lax.scan(step, (_kv_of(c, axis_name, segmented), cast_varying(dkv, axis_name), cast_varying(dq, axis_name)), None, length=n - 1)
     dkv, dq = attend(kv, dkv, dq)
     dk, dv = ring_shift(dkv, axis_name, 1)  # the last block's gradients go home
     grads = tuple(_reduce_to(g.astype(x.dtype), x) for g, x in ((dq, c.q), (dk, c.k), (dv, c.v)))

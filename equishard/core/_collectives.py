@@ -66,8 +66,6 @@ def bound_axes(axis_name: AxisName, fn_name: str) -> tuple[str, ...]:
     return axes
 
 
-to_varying = cast_varying  # the former name, for modules that still import it from here
-
 
 def ring_index(i: Array, offset: int, n: int) -> Array:
     """`(i + offset) mod n` for a traced position `0 <= i < n` and a static `offset`.
