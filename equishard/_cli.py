@@ -130,6 +130,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--pipeline-repeats", type=int, default=d.pipeline_repeats, help="stages per device with pp (1: GPipe, more: circular)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient accumulation micro-steps per step")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate on the validation split every N steps")
+    p.add_argument("--log-every", type=int, default=d.log_every, help="print a step-log line every N steps (step, loss, grad norm, lr, step time, tokens/s, TFLOP/s, MFU, memory)")
     p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate (ignored on accelerators and under `equishard launch`, which splits its own --devices)")
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes, help="bytes of text to generate at the end (0: none)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

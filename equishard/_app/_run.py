@@ -31,9 +31,11 @@ from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
 from ..models import GPT, PRESETS, cast_floating, count_parameters
 from ..models._gpt import canonical_path, to_single_device
+from ..report._flops import DeviceProfile, device_profile, gpt_flops_per_token
 from ..sharding import Layout, filter_shard_map, format_param_table, gather
 from ..train import TrainState, export_model, init_train_state, make_train_step
 from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
+from ._log import Clock, Throughput, peak_memory_bytes, rate_summary, step_line, time_summary
 
 if TYPE_CHECKING:
     from ..train import Checkpointer
@@ -73,6 +75,7 @@ class TrainConfig:
     pipeline_repeats: int = 1
     eval_every: int = 50
     eval_batches: int = 8
+    log_every: int = 10
     sample_bytes: int = 200
     progress: bool = True
     plot: bool = True
@@ -114,7 +117,7 @@ def check_options(config: TrainConfig) -> None:
         raise LayerConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}.")
     at_least_one = (
         "steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "eval_every",
-        "eval_batches", "keep_checkpoints", "max_skipped_steps",
+        "eval_batches", "log_every", "keep_checkpoints", "max_skipped_steps",
     )  # fmt: skip
     for name in at_least_one:
         if getattr(config, name) < 1:
@@ -320,20 +323,31 @@ def plot_losses(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
 
 
 def run(
-    config: TrainConfig, *, print_fn: Callable[[str], None] = print, devices: list | None = None
+    config: TrainConfig,
+    *,
+    print_fn: Callable[[str], None] = print,
+    devices: list | None = None,
+    clock: Clock = time.perf_counter,
+    profile: DeviceProfile | None | str = "auto",
 ) -> dict[str, Any]:
     """Train as `equishard train` does; return a summary.
 
     **Arguments:**
 
     - `config`: the run's options.
-    - `print_fn`: where to print (the sharding table, evaluations, the sample).
+    - `print_fn`: where to print (the sharding table, the step log, evaluations, the
+      sample).
     - `devices`: the devices to use (default all).
+    - `clock`: the timer every duration is measured with (seconds; a test injects one).
+    - `profile`: the device profile MFU is measured against: `"auto"` (from the
+      devices' kind; none on the CPU), a `DeviceProfile`, or `None` (no MFU).
 
     **Returns:**
 
-    A dict: `final_loss`, `val_loss`, `steps`, `seconds`, `tokens_per_s`, `parameters`,
-    `run_dir`.
+    A dict: `final_loss`, `val_loss`, `steps`, `seconds` (in all), `train_seconds`
+    (training steps only), `tokens_per_s` (training tokens over `train_seconds`),
+    `timings` (seconds by phase: compile, train, evaluation, checkpoint, export, sample),
+    `parameters`, `run_dir`, `sample`.
 
     **Raises:**
 
@@ -343,10 +357,13 @@ def run(
     from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
     from ..train._checkpoint import probe_writable
 
-    start = time.perf_counter()
+    start = clock()
     if not is_coordinator():  # one process prints: the others compute the same values
         print_fn = _silent
     r = Run(config, devices=devices)
+    if profile == "auto":
+        profile = device_profile(r.mesh.devices.flat[0].device_kind)
+    assert not isinstance(profile, str)
     # The directories are checked before anything is compiled: a checkpoint directory
     # that is a file or read-only is found now, not at the first save.
     run_dir = pathlib.Path(config.run_dir)
@@ -379,7 +396,14 @@ def run(
                     f"another --checkpoint-dir / --run-dir. Nothing was written."
                 )
             state = r.init_state()
-        return _train(r, state, corpus, ckpt, run_dir, start, print_fn)
+        throughput = Throughput(
+            tokens_per_step=config.batch_size * config.seq_len,
+            flops_per_token=gpt_flops_per_token(r.model_config, config.seq_len),
+            num_devices=r.mesh.devices.size,
+            profile=profile,
+            dtype=config.dtype,
+        )
+        return _train(r, state, corpus, ckpt, run_dir, start, print_fn, clock, throughput)
     finally:
         ckpt.close()
 
@@ -430,6 +454,20 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
     return state
 
 
+class _Phases:
+    """Seconds spent per phase of a run, measured with one clock."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.seconds = {name: 0.0 for name in ("compile", "train", "evaluation", "checkpoint", "export", "sample")}
+
+    def timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        began = self.clock()
+        out = fn()
+        self.seconds[name] += self.clock() - began
+        return out
+
+
 def _train(
     r: Run,
     state: TrainState,
@@ -438,6 +476,8 @@ def _train(
     run_dir: pathlib.Path,
     start: float,
     print_fn: Callable[[str], None],
+    clock: Clock,
+    throughput: Throughput,
 ) -> dict[str, Any]:
     config = r.config
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -457,82 +497,121 @@ def _train(
     if first and metrics_path.exists() and coordinator:
         rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
         rows = [row for row in rows if row["step"] <= first]
-    tokens_per_step = config.batch_size * config.seq_len
-    bar = _progress(config, first) if coordinator else None
-    val_loss = float("nan")
-    loss = float("nan")
-    timed_from, timed_steps = None, 0
+    # The learning rate each step applies (optax counts updates from 0).
+    rates = np.asarray(jax.vmap(make_schedule(config))(jnp.arange(config.steps + 1)), np.float64)
+    phases = _Phases(clock)
+    val_loss: float | None = None
+    loss: float | None = None
     skipped_in_a_row = 0
+    window = dataclasses.replace(throughput)  # the steps since the last log line
+    step_fn = r.train_step
+    if first < config.steps:
+        print_fn("compiling the train step...")
+        first_batch = r.batch(corpus.train, int(state.data_position))
+        step_fn = phases.timed("compile", lambda: r.train_step.compile(state, first_batch))
+        print_fn(f"compiled the train step in {phases.seconds['compile']:.1f} s")
+    bar = _progress(config, first) if coordinator else None
+
+    def emit(line: str) -> None:
+        if bar is None:
+            print_fn(line)
+        else:
+            with bar.external_write_mode():
+                print_fn(line)
+
     with metrics_path.open("w") if coordinator else open(os.devnull, "w") as out:
         for row in rows:
             out.write(json.dumps(row) + "\n")
         for step in range(first, config.steps):
+            began = clock()
             batch = r.batch(corpus.train, int(state.data_position))
             # A skipped step (non-finite loss, gradients or update) is not applied but
             # consumes its batch: the step count and data position advance, and so does
             # a resumed run, from the same saved position.
-            state, metrics = r.train_step(state, batch)
-            loss = float(metrics["loss"])
-            skipped_in_a_row = skipped_in_a_row + 1 if int(metrics["skipped"]) else 0
-            now = time.perf_counter()
-            if timed_from is None:  # the first step includes compilation
-                timed_from = now
-            else:
-                timed_steps += 1
-            tps = tokens_per_step * timed_steps / (now - timed_from) if timed_steps else 0.0
-            row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
-            row["tokens"] = tokens_per_step * (step + 1)
-            row["tokens_per_s"] = tps
+            state, metrics = step_fn(state, batch)
+            values = {k: float(v) for k, v in metrics.items()}  # waits for the step
+            seconds = clock() - began
+            throughput.add(seconds)
+            window.add(seconds)
+            phases.seconds["train"] += seconds
+            loss = values["loss"]
+            skipped_in_a_row = skipped_in_a_row + 1 if values["skipped"] else 0
+            row = {"step": step + 1, **values, "lr": float(rates[step]), "step_time": seconds}
+            row["tokens"] = throughput.tokens_per_step * (step + 1)
+            row.update(throughput.rates(1, seconds))
+            memory = peak_memory_bytes()
+            if memory is not None:
+                row["peak_memory_bytes"] = memory
+            row["time"] = time.time()
             out.write(json.dumps(row) + "\n")
             rows.append(row)
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                # The line shows the mean over the steps since the last line.
+                logged = {**row, "step_time": window.seconds / window.steps, **window.total()}
+                emit(step_line(logged, config.steps))
+                window.seconds, window.steps = 0.0, 0
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                val_loss = r.validation_loss(state, corpus)
-                out.write(json.dumps({"step": step + 1, "val_loss": val_loss}) + "\n")
+                val_loss = phases.timed("evaluation", lambda: r.validation_loss(state, corpus))
+                out.write(json.dumps({"step": step + 1, "val_loss": val_loss, "time": time.time()}) + "\n")
                 rows.append({"step": step + 1, "val_loss": val_loss})
+                emit(f"step {step + 1}: validation loss {val_loss:.4f}")
             out.flush()
             if skipped_in_a_row >= config.max_skipped_steps:
                 raise TrainingError(_too_many_skipped(step + 1, skipped_in_a_row, metrics, ckpt))
             ckpt.poll()  # a checkpoint write that failed in the background stops the run
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}")
+                postfix = {"loss": f"{loss:.3f}"}
+                if val_loss is not None:
+                    postfix["val"] = f"{val_loss:.3f}"
+                if throughput.steps:
+                    postfix["tok_s"] = f"{throughput.total()['tokens_per_s']:,.0f}"
+                bar.set_postfix(postfix)
                 bar.update(1)
             if (step + 1) % config.checkpoint_every == 0:
-                ckpt.save(step + 1, state)
+                phases.timed("checkpoint", lambda: ckpt.save(step + 1, state))
         if bar is not None:
             bar.close()
-    ckpt.save(int(state.step), state, exist_ok=True)
-    ckpt.wait()
+
+    def final_checkpoint() -> None:
+        ckpt.save(int(state.step), state, exist_ok=True)
+        ckpt.wait()
+
+    phases.timed("checkpoint", final_checkpoint)
     if config.plot and coordinator:
-        plot_losses(rows, run_dir / "loss.png")
+        phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png"))
     # The trained network as a plain one-device Equinox model (eqx.tree_serialise_leaves).
-    exported = export_model(to_single_device(gather(state.model)), run_dir / "model.eqx")
-    seconds = time.perf_counter() - start
+    exported = phases.timed(
+        "export", lambda: export_model(to_single_device(gather(state.model)), run_dir / "model.eqx")
+    )
     sample = b""
     if config.sample_bytes:
         prompt = b"def "
         whole = gather(state.model)  # across processes a collective: every process joins
         if coordinator:  # then no collective: process 0 samples alone
-            sample = sample_text(
+            sample = phases.timed("sample", lambda: sample_text(
                 whole, prompt, config.sample_bytes, seq_len=config.seq_len,
                 key=jax.random.key(config.seed),
-            )  # fmt: skip
+            ))  # fmt: skip
         print_fn("sample: " + (prompt + sample).decode("utf-8", errors="replace"))
-    tokens_per_s = (
-        tokens_per_step * timed_steps / (time.perf_counter() - timed_from)
-        if timed_from is not None and timed_steps
-        else 0.0
-    )
+    seconds = clock() - start
+    totals = throughput.total()
+    if loss is None:  # resumed at the last step: nothing trained, nothing to report
+        loss = next((row["loss"] for row in reversed(rows) if "loss" in row), float("nan"))
+    val = f", validation loss {val_loss:.4f}" if val_loss is not None else ""
     print_fn(
-        f"done: {config.steps} steps, train loss {loss:.4f}, validation loss {val_loss:.4f} "
-        f"nats/byte, {seconds:.0f} s ({tokens_per_s:,.0f} tokens/s after compilation); "
-        f"metrics in {run_dir / 'metrics.jsonl'}, model in {exported}"
+        f"done: {config.steps} steps, train loss {loss:.4f}{val} nats/byte; training "
+        f"{rate_summary(totals)} over {throughput.steps} steps"
     )
+    print_fn(f"time: {time_summary(phases.seconds, seconds)}")
+    print_fn(f"metrics in {metrics_path}, model in {exported}")
     return {
         "final_loss": loss,
         "val_loss": val_loss,
         "steps": config.steps,
         "seconds": seconds,
-        "tokens_per_s": tokens_per_s,
+        "train_seconds": throughput.seconds,
+        "tokens_per_s": totals.get("tokens_per_s"),
+        "timings": dict(phases.seconds),
         "parameters": count_parameters(state.model),
         "run_dir": str(run_dir),
         "sample": sample.decode("utf-8", errors="replace"),

@@ -11,6 +11,14 @@ alone, and sets the measured bytes beside `gpt_minimum`, the analytical minimum 
 
 from .._text import human_bytes as human_bytes
 from ._axes import axes_of_groups as axes_of_groups, axes_of_pairs as axes_of_pairs
+from ._flops import (
+    DEVICE_PROFILES as DEVICE_PROFILES,
+    DeviceProfile as DeviceProfile,
+    device_profile as device_profile,
+    gpt_flops_per_token as gpt_flops_per_token,
+    gpt_matmul_parameters as gpt_matmul_parameters,
+    mfu as mfu,
+)
 from ._gpt import (
     PLAN_PRESETS as PLAN_PRESETS,
     AbstractStep as AbstractStep,

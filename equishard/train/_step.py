@@ -333,7 +333,9 @@ def make_train_step(
     `train_step(state, batch) -> (new_state, metrics)`; `metrics` holds `loss`,
     `grad_norm` (before clipping), `skipped` (1 if this step was not applied: an
     application stopping after N consecutive skips counts these) and `loss_fn`'s
-    metrics, all global values.
+    metrics, all global values. `train_step.lower(state, batch)` lowers it without
+    running; `train_step.compile(state, batch)` compiles it ahead of time and returns the
+    compiled step (same signature), so compilation can be timed apart from the steps.
     """
     if grad_accum < 1:
         raise LayerConfigError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}.")
@@ -518,5 +520,21 @@ def make_train_step(
         arrays, static = split(state)
         return jitted.lower(arrays, batch, static)
 
+    def compile(state: TrainState, batch: PyTree) -> Any:
+        """Compile ahead of time for this state and batch; return the compiled step
+        (the same signature as `train_step`), so a caller can time compilation alone."""
+        arrays, static = split(state)
+        compiled = jitted.lower(arrays, batch, static).compile()
+
+        def compiled_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
+            arrays, static = split(state)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                new_arrays, metrics = compiled(arrays, batch)
+            return eqx.combine(new_arrays, static.tree()), metrics
+
+        return compiled_step
+
     step.lower = lower  # type: ignore[attr-defined]
+    step.compile = compile  # type: ignore[attr-defined]
     return step
