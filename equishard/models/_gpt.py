@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._axes import cast_varying, varying_axes
+from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
 from ..core import from_last_stage, gather_tokens
 from ..nn import (
@@ -32,15 +32,20 @@ from ..nn import (
     PipelineModule,
     RMSNorm,
     TransformerBlock,
+    fsdp_gather_params,
     vocab_parallel_cross_entropy,
 )
+from ..nn._fsdp import _after
 from ..sharding import (
     Parallelism,
     add_leading_axis,
     drop_leading_axis,
+    fsdp_split_params,
+    is_sharded,
     restrict_specs,
     unbox as es_unbox,
 )
+from ..sharding._specs import spec_axes
 
 TP = "tp"
 
@@ -269,17 +274,28 @@ class GPT(eqx.Module):
             config.d_model, config.vocab_size, axis_name=TP, bias=False, gather_output=False,
             sequence_parallel=sp, key=hkey,
         )  # fmt: skip
+        norm = RMSNorm(config.d_model)
+        if par.fsdp is not None:
+            fsdp = par.fsdp
+            # The arrays outside the units are split over fsdp too, by the same rule
+            # (on the dimension tp leaves free; small ones stay replicated): the
+            # embedding and the head, both f32[V/tp, D/fsdp].
+            mesh = jax.sharding.AbstractMesh(par.sizes, par.axes)
+            split = lambda m: fsdp_split_params(m, fsdp, par.fsdp_min_weight_size, mesh=mesh)  # noqa: E731
+            self.embed, norm, head = split(self.embed), split(norm), split(head)
         # Axes the mesh lacks drop out of the specs; their layers then compute locally.
         self.embed = restrict_specs(self.embed, axes)
         self.units = restrict_specs(units, axes)
-        self.norm = restrict_specs(RMSNorm(config.d_model), axes)
+        self.norm = restrict_specs(norm, axes)
         self.head = restrict_specs(head, axes)
         self.config = config
         self.parallelism = par
 
     def hidden(self, ids: Int[Array, "batch seq"]) -> tuple[Array, MoEAuxSum]:
         """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics."""
-        x = self.embed(ids)
+        # The table's gradient is reduce-scattered over fsdp by the gather's transpose;
+        # the lookup's backward is a scatter-add that needs no table.
+        x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
             return self.units(x), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
@@ -294,25 +310,48 @@ class GPT(eqx.Module):
 
     def logits(self, h: Array) -> Float[Array, "batch seq vocab_local"]:
         """Logits split over the vocabulary on the tensor axis: `[batch, seq, V/tp]`."""
-        h = self.norm(h)
+        h = self._gathered(self.norm, h)(h)
         if self.head is not None:
-            return self.head(h)
+            # Gathered once h exists; the gathered f32[D, V/tp] is kept for the
+            # backward pass (the input's gradient needs it): no second gather.
+            return self._gathered(self.head, h)(h)
+        table = jnp.asarray(self._gathered(self.embed, h).weight.value)
         if self.parallelism.sequence_parallel:
             h = gather_tokens(h, TP)
         # f32[B, T(/tp), D] @ f32[D, V/tp]
-        return h @ jnp.asarray(self.embed.weight.value).T
+        return h @ table.T
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
         """Logits for `ids` (local view)."""
         return self.logits(self.hidden(ids)[0])
+
+    def _gathered(self, module: Any, anchor: Array) -> Any:
+        """`module` with its arrays split over fsdp all-gathered (inside `shard_map`).
+
+        The gathers wait for `anchor` (so that they are not hoisted to the start of the
+        step) and the local blocks are first cast to vary like it, so that the
+        gradients' sum over the other data axes is taken on the blocks, after the
+        reduce-scatter. Anything else (no fsdp axis, outside `shard_map`, nothing
+        split) is `module` itself.
+        """
+        fsdp = self.parallelism.fsdp
+        if fsdp is None or module is None or not is_bound(fsdp):
+            return module
+        boxes = jax.tree.leaves(module, is_leaf=is_sharded)
+        if not any(is_sharded(b) and fsdp in spec_axes(b.spec) for b in boxes):
+            return module
+        return fsdp_gather_params(_after(module, anchor), fsdp)
 
     def _tie_varying(self, ids: Array) -> "GPT":
         """This model with the tied table cast to vary like the batch, once for both uses.
 
         The lookup and the head then share one cast, whose transpose sums the table's
         gradient over the data axes in one all-reduce of `f32[V/tp, D]`; cast by each
-        use, it would be reduced twice (once transposed).
+        use, it would be reduced twice (once transposed). Under fsdp the table is
+        gathered once for both uses, and its gradient reduce-scattered once.
         """
+        if self._gathered(self.embed, ids) is not self.embed:
+            return eqx.tree_at(lambda m: m.embed, self, self._gathered(self.embed, ids))
         table = cast_varying(jnp.asarray(self.embed.weight.value), varying_axes(ids))
         return eqx.tree_at(lambda m: m.embed.weight.value, self, table)
 

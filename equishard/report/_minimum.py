@@ -28,10 +28,13 @@ terms, derived per parameter and per collective that equishard's train step issu
 plus the terms the textbook formulas leave out. Each `Term` records its formula.
 
 - *Parameters* (from the per-parameter table: `b` the bytes a device stores, `S` the
-  axes its spec splits it over). An array split over `fsdp` is gathered in forward,
-  re-gathered in backward and its gradient reduce-scattered: `3(n_fsdp − 1) · b`. (The
-  re-gather recomputes the wrapped unit's forward but keeps the outputs of the unit's
-  other collectives, so its tensor-parallel and expert collectives are not sent again.)
+  axes its spec splits it over). An array of a block split over `fsdp` is gathered in
+  forward, re-gathered in backward and its gradient reduce-scattered:
+  `3(n_fsdp − 1) · b`. (The re-gather recomputes the wrapped unit's forward but keeps
+  the outputs of the unit's other collectives, so its tensor-parallel and expert
+  collectives are not sent again.) The split arrays outside the blocks (embedding,
+  output head) are gathered once: the head keeps its gathered copy for the backward
+  pass, the lookup's backward needs no table: `2(n_fsdp − 1) · b`.
   Its gradient is all-reduced over the axes `R` it is replicated over but used on varying
   data: `2(n_R − 1)/n_R · b`, `R` = the data axes (`dp`, `fsdp`, `ep`) not in `S`; plus
   `tp` for the norms under sequence parallelism (their inputs are split over the
@@ -405,15 +408,18 @@ def _parameter_terms(
         unit_stored = sum(
             r.bytes_per_device for r in rows if "fsdp" in spec_axes(r.spec) and _is_unit(r.path)
         )
+        # The units gather again in the backward pass; the arrays outside them
+        # (embedding, head, final norm) keep their gathered copies or need none.
         other = stored - unit_stored
-        per_pass = lambda c: 3 * (fsdp - 1) * (unit_stored * c + other)  # noqa: E731
+        per_pass = lambda c: (fsdp - 1) * (3 * unit_stored * c + 2 * other)  # noqa: E731
         terms.append(
             Term(
                 "fsdp: gather, re-gather, reduce-scatter of split parameters",
                 "all-gather/reduce-scatter",
                 ("fsdp",),
                 fsdp,
-                f"3(n-1)/n · P_sharded, P_sharded = {human_bytes(fsdp * stored)}"
+                f"(n-1)/n · (3 P_units + 2 P_rest) = (n-1)/n · (3 x {human_bytes(fsdp * unit_stored)} "
+                f"+ 2 x {human_bytes(fsdp * other)})"
                 + (f" x {calls:g} stage calls" if s.stages > 1 else ""),
                 per_pass(calls),
                 per_pass(ideal_calls),

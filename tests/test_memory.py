@@ -1,0 +1,96 @@
+"""Memory: every parameter of the reference GPT sharded under FSDP."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import equishard as es
+from equishard.models import GPT, GPTConfig
+from equishard.report import gpt_report
+from equishard.report._gpt import abstract_train_step
+from equishard.sharding import Layout, param_table
+from equishard.train import init_train_state, make_train_step
+
+from .helpers import assert_tree_allclose
+
+SMALL = GPTConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=128)
+BATCH, SEQ = 8, 32
+
+
+def _abstract_gpt(config: GPTConfig, layout: Layout):
+    par = layout.parallelism()
+    mesh = jax.sharding.AbstractMesh(par.sizes, par.axes)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.eval_shape(lambda: GPT(config, par, key=jax.random.key(0)))
+
+
+@pytest.mark.parametrize("spec", ["fsdp=8", "fsdp=4,tp=2"])
+def test_fsdp_splits_the_embedding_and_the_head(spec):
+    model = _abstract_gpt(SMALL, Layout(spec))
+    tp = "tp" if "tp" in spec else None
+    # Vocabulary-parallel over tp, fsdp on the other dimension.
+    assert model.embed.weight.spec == P(tp, "fsdp")
+    assert model.head.weight.spec == P(tp, "fsdp")
+    mesh = Layout(spec).mesh()
+    for row in param_table(model, mesh):
+        if math.prod(row.shape) // (row.shape[0] if row.path.startswith("units") else 1) >= 2**10:
+            assert "fsdp" in str(row.spec), row
+
+
+def test_small_arrays_follow_fsdp_min_weight_size():
+    default = _abstract_gpt(SMALL, Layout("fsdp=8"))
+    assert default.norm.weight.spec == P(None)  # 64 elements < 2**10
+    everything = _abstract_gpt(SMALL, Layout("fsdp=8", fsdp_min_weight_size=0))
+    assert everything.norm.weight.spec == P("fsdp")
+
+
+@functools.cache
+def _fsdp8_report():
+    return gpt_report(
+        SMALL, Layout("fsdp=8"), batch_size=BATCH, seq_len=SEQ, optimizer=optax.adamw(1e-3),
+        clip_norm=1.0,
+    )  # fmt: skip
+
+
+def test_fsdp8_holds_an_eighth_of_the_parameters_and_optimizer_state():
+    r, _ = _fsdp8_report()
+    step = abstract_train_step(
+        SMALL, Layout("dp=1"), batch_size=BATCH, seq_len=SEQ, optimizer=optax.adamw(1e-3),
+        devices=jax.devices()[:1],
+    )  # fmt: skip
+    # Parameters and both AdamW moments, whole (one device).
+    whole = sum(r.total_bytes for r in param_table((step.state.model, step.state.opt_state), step.mesh))
+    assert r.memory is not None
+    assert r.memory.argument_bytes <= 1.05 * whole / 8, (r.memory.argument_bytes, whole / 8)
+    # The embedding's and head's gathers and reduce-scatters send no more than the
+    # all-reduce of their replicated gradients did, and exactly the minimum.
+    assert r.ratio == pytest.approx(1.0, rel=1e-6), str(r)
+
+
+def test_fully_split_gpt_trains_as_on_one_device():
+    """fsdp_min_weight_size=0: every array split (the final norm too), tied table."""
+    config = GPTConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=128, tied=True)
+    batch = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, 256)
+    results = []
+    for layout in (Layout("dp=1"), Layout("dp=2,fsdp=4", fsdp_min_weight_size=0)):
+        mesh = layout.mesh(jax.devices()[: math.prod(layout.axes().values())])
+        sgd = optax.sgd(0.5)
+        state = init_train_state(
+            lambda k: GPT(config, layout.parallelism(), key=k), sgd, jax.random.key(0), mesh=mesh
+        )
+        step = make_train_step(
+            lambda m, b, k: m.loss(b, k), sgd, mesh=mesh, batch_spec=layout.batch_spec()
+        )
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        results.append((jnp.stack(losses), es.gather(state.model).norm.weight.value))
+    assert_tree_allclose(results[1], results[0])
