@@ -93,7 +93,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_train(sub: Any) -> None:
+def _add_train(sub: Any) -> argparse.ArgumentParser:
     from ._app import TrainConfig
     from .models import PRESETS
 
@@ -109,6 +109,7 @@ def _add_train(sub: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--config", default=None, metavar="FILE", help="a TOML file of options (any option below, as batch_size = 16 or batch-size = 16); flags given here override it. A run writes its resolved options to <run-dir>/config.toml")
     p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2'")
     p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model size preset")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train for")
@@ -136,13 +137,23 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss-curve PNG")
     p.set_defaults(run=_train)
+    return p
+
+
+def _apply_config(train: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the command line again with `--config`'s values as the defaults: flags win."""
+    from ._app._config import load_config
+
+    train.set_defaults(**load_config(args.config))
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    return train.parse_args(tokens[tokens.index("train") + 1 :])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `equishard` console script and `python -m equishard`."""
     parser = argparse.ArgumentParser(prog="equishard", description="equishard: sharded training for Equinox models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train(sub)
+    train = _add_train(sub)
     from ._cli_report import add_report_parsers
 
     add_report_parsers(sub)
@@ -162,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._errors import EquishardError
 
     try:
+        if args.command == "train" and args.config is not None:
+            args = _apply_config(train, argv, args)
+            args.command = "train"
         _check_counts(args)
         return args.run(args)
     except EquishardError as err:

@@ -7,10 +7,13 @@ import dataclasses
 import itertools
 import json
 import math
+import pathlib
+import shutil
 
 import pytest
 
 from equishard._app import TrainConfig, run
+from equishard._cli import main
 from equishard.models import PRESETS
 from equishard.report import DeviceProfile, device_profile, gpt_flops_per_token
 
@@ -113,3 +116,65 @@ def test_the_output_has_no_placeholders(tiny_run):
     assert any(line.startswith("compiled the train step in ") for line in lines)
     assert "nan" not in text.lower()
     assert "tokens/s 0 " not in text and " 0 tokens/s" not in text
+
+
+def _losses(run_dir: pathlib.Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows if "loss" in row]
+
+
+def test_the_saved_config_runs_the_same_run_again(tiny_run, tmp_path):
+    _, _, _, run_dir = tiny_run
+    saved = (run_dir / "config.toml").read_text()
+    assert 'layout = "dp=2,fsdp=2,tp=2"' in saved and "steps = 4" in saved
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(run_dir / "config.toml"), "--run-dir", str(again)]) == 0
+    assert _losses(again) == _losses(run_dir)  # bit for bit
+    assert (again / "config.toml").read_text() == saved.replace(str(run_dir), str(again))
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "text, flags, message",
+    [
+        ("steps = 0", [], "--steps must be at least 1, got 0."),  # as the flag says it
+        ("steps = 3", ["--steps", "0"], "--steps must be at least 1, got 0."),  # flags win
+        ("steps = 0\nlr = -1.0", ["--steps", "3"], "--lr must be a finite number above 0, got -1.0."),
+        ("stepz = 3", [], "unknown option 'stepz'; the options are"),
+        ('steps = "ten"', [], "steps (--steps) must be an integer, got 'ten'."),
+        ("seed = 1.5", [], "seed (--seed) must be an integer, got 1.5."),
+        ("steps = [", [], "not valid TOML"),
+    ],
+)
+def test_config_files_are_checked_like_flags(text, flags, message, tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(text + "\n")
+    argv = ["train", "--config", str(path), "--run-dir", str(tmp_path / "run"), *flags]
+    assert main(argv) == 2
+    err = _error(capsys)
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_names_the_step_the_layout_and_what_changed(tiny_run, tmp_path, capsys):
+    _, _, _, run_dir = tiny_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    argv = ["train", "--config", str(copy / "config.toml"), "--run-dir", str(copy), "--resume",
+            "--steps", "5", "--seed", "1", "--layout", "fsdp=4,tp=2", "--eval-every", "5"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "warning: --seed is 1, but the run was started with 0" in out
+    assert "warning: --steps is 5, but the run was started with 4" in out  # the schedule
+    assert "the layout changed (layout 'dp=2,fsdp=2,tp=2' -> layout 'fsdp=4,tp=2')" in out
+    assert (
+        f"resumed from step 4 of {copy / 'checkpoints'} (data position 32), saved under layout "
+        f"dp=2,fsdp=2,tp=2, resharded to fsdp=4,tp=2"
+    ) in out
+    assert "warning: --eval-every" not in out  # changes nothing that was trained
+    assert [step for step, _ in _losses(copy)] == [1, 2, 3, 4, 5]

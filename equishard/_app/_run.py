@@ -386,8 +386,17 @@ def run(
     )
     try:
         ckpt.check_writable()
+        resumed = ""
         if config.resume or config.resume_step is not None:
             state = _resume(r, ckpt, metadata)
+            saved_layout = ckpt.read_metadata(int(state.step)).get("user", {}).get("layout")
+            resumed = (
+                f"resumed from step {int(state.step)} of {checkpoint_dir} (data position "
+                f"{int(state.data_position)}), saved under layout {saved_layout}"
+                + ("" if saved_layout == config.layout else f", resharded to {config.layout}")
+            )
+            for line in _resume_changes(run_dir, config):
+                print_fn(line)
         else:
             if ckpt.latest_step() is not None:
                 raise CheckpointError(
@@ -396,6 +405,7 @@ def run(
                     f"another --checkpoint-dir / --run-dir. Nothing was written."
                 )
             state = r.init_state()
+        _write_config(run_dir, config)
         throughput = Throughput(
             tokens_per_step=config.batch_size * config.seq_len,
             flops_per_token=gpt_flops_per_token(r.model_config, config.seq_len),
@@ -403,9 +413,32 @@ def run(
             profile=profile,
             dtype=config.dtype,
         )
-        return _train(r, state, corpus, ckpt, run_dir, start, print_fn, clock, throughput)
+        return _train(r, state, corpus, ckpt, run_dir, start, print_fn, clock, throughput, resumed)
     finally:
         ckpt.close()
+
+
+def _resume_changes(run_dir: pathlib.Path, config: TrainConfig) -> list[str]:
+    """What this resumed run changes against the run directory's `config.toml`."""
+    from ._config import CONFIG_FILE, changes_on_resume, load_config
+
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
+        return []
+    try:
+        saved = load_config(path)
+    except LayerConfigError as err:
+        return [f"warning: the run's {CONFIG_FILE} cannot be compared with this run's options: {err}"]
+    return changes_on_resume(saved, config)
+
+
+def _write_config(run_dir: pathlib.Path, config: TrainConfig) -> None:
+    """Process 0 writes the resolved options to `<run-dir>/config.toml`."""
+    from ._config import CONFIG_FILE, config_toml
+
+    if is_coordinator():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG_FILE).write_text(config_toml(config))
 
 
 def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
@@ -478,6 +511,7 @@ def _train(
     print_fn: Callable[[str], None],
     clock: Clock,
     throughput: Throughput,
+    resumed: str,
 ) -> dict[str, Any]:
     config = r.config
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -488,8 +522,8 @@ def _train(
         f"{jax.devices()[0].platform} devices, {config.dtype}"
     )
     print_fn(format_param_table(state.model, r.mesh))
-    if first:
-        print_fn(f"resumed from step {first} (data position {int(state.data_position)})")
+    if resumed:
+        print_fn(resumed)
     metrics_path = run_dir / "metrics.jsonl"
     # Process 0 writes the shared files (metrics, plot, model); every process computes.
     coordinator = is_coordinator()
