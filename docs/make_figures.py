@@ -11,7 +11,7 @@ simulated CPU devices and plotted with matplotlib.
 - `collective_matmul.png`: the ring steps of `equishard.core.all_gather_matmul` (which
   block of `w` each device holds at each step, found by running `ring_shift`), and
   why the ring overlaps communication with compute.
-- `pipeline_schedule.png`: GPipe and circular schedules as timelines
+- `pipeline_schedule.png`: the five pipeline schedules' tables as timelines
   (`equishard.core.pipeline_schedule`).
 - `loss_curves.png`: the main job (`equishard train`, default options) and the first
   steps of the same model under several layouts (`equishard train`'s job).
@@ -155,36 +155,39 @@ def collective_matmul_figure() -> None:
 
 
 def pipeline_figure() -> None:
-    s, m, layers = 4, 8, 8
-    schedules = {"GPipe": pipeline_schedule(s, m), "circular": pipeline_schedule(s, m, repeats=2)}
-    # One step runs one stage of L / (S R) layers: draw steps that long, so that the
-    # x axis is time in layer calls and the two schedules compare.
-    width = {name: layers // (s * sch.repeats) for name, sch in schedules.items()}
-    end = max(sch.num_steps * width[name] for name, sch in schedules.items())
-    fig, axes = plt.subplots(len(schedules), 1, figsize=(9, 4.8), sharex=True)
-    for ax, (name, sch) in zip(axes, schedules.items()):
-        w = width[name]
+    from equishard.core import SCHEDULES, schedule_report
+
+    s, m = 4, 8
+    tables = {
+        name: pipeline_schedule(name, s, m, repeats=2 if name in ("circular", "interleaved-1f1b") else 1)
+        for name in SCHEDULES
+    }
+    # A step of a schedule with R stages per device runs 1/R of a device's layers:
+    # draw it 1/R wide, so that the x axis is time and the schedules compare.
+    end = max(t.num_steps / t.repeats for t in tables.values())
+    fig, axes = plt.subplots(len(tables), 1, figsize=(10, 9), sharex=True)
+    for ax, (name, sch) in zip(axes, tables.items()):
+        w = 1 / sch.repeats
         for t in range(sch.num_steps):
             for d in range(s):
-                mb, rep = int(sch.microbatch[t, d]), int(sch.repeat[t, d])
+                op, mb, v = int(sch.op[t, d]), int(sch.microbatch[t, d]), int(sch.virtual[t, d])
                 box = (t * w, s - 1 - d)
-                if mb < 0:
-                    ax.add_patch(Rectangle(box, w - 0.08, 0.9, facecolor="0.92", edgecolor="0.8"))
+                if op == 0:
+                    ax.add_patch(Rectangle(box, w * 0.97, 0.9, facecolor="0.95", edgecolor="0.85"))
                     continue
-                ax.add_patch(Rectangle(box, w - 0.08, 0.9, facecolor=COLORS[mb % 10],
-                                       alpha=0.45 if rep == 0 else 0.85, edgecolor="k",
-                                       hatch="//" if rep > 0 else None))
-                label = f"{mb}" if sch.repeats == 1 else f"{mb}.{rep}"
-                ax.text(t * w + w / 2 - 0.04, s - 1 - d + 0.45, label, ha="center", va="center", fontsize=7)
+                ax.add_patch(Rectangle(box, w * 0.97, 0.9, facecolor=COLORS[mb % 10],
+                                       alpha={1: 0.35, 2: 0.8, 3: 0.55}[op], edgecolor="k",
+                                       hatch={1: None, 2: None, 3: "//"}[op] if v <= 0 else "..", lw=0.5))
+                label = "FBW"[op - 1] + (f"{mb}" if sch.repeats == 1 else f"{mb}\n{v}")
+                ax.text(t * w + w / 2, s - 1 - d + 0.45, label, ha="center", va="center", fontsize=5)
         ax.set_ylim(0, s), ax.set_xlim(0, end)
-        ax.set_yticks([s - 1 - d + 0.45 for d in range(s)], [f"device {d}" for d in range(s)], fontsize=8)
-        r = sch.repeats
-        per = layers // (s * r)
-        ax.set_title(f"{name} (S={s}, M={m}, R={r}, {per} layer{'s' * (per > 1)} per stage): "
-                     f"{sch.num_steps} steps = {sch.num_steps * w} layer calls, "
-                     f"bubble {sch.bubble_fraction:.3f} = (S-1)/(RM+S-1)", fontsize=9)
-    axes[-1].set_xlabel(f"time, in calls of one layer ({layers} layers in all)", fontsize=8)
-    fig.suptitle("pipeline_schedule: the micro-batch (.repeat) each device runs; grey = bubble", fontsize=10)
+        ax.set_yticks([s - 1 - d + 0.45 for d in range(s)], [f"dev {d}" for d in range(s)], fontsize=7)
+        rep = schedule_report(sch)
+        ax.set_title(f"{name} (S={s}, M={m}, R={sch.repeats}): bubble {rep.bubble_fraction:.3f}, "
+                     f"peak in flight {list(rep.peak_in_flight)}", fontsize=8)
+    axes[-1].set_xlabel("step (a step with R stages per device drawn 1/R wide)", fontsize=8)
+    fig.suptitle("pipeline_schedule: forward F, backward B, weight gradient W of each micro-batch; grey = idle",
+                 fontsize=9)
     fig.tight_layout()
     _save(fig, "pipeline_schedule.png")
 

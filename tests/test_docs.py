@@ -211,8 +211,12 @@ def test_moe():
 
 def test_pipeline():
     out = run_example("pipeline.py")
-    assert "gpipe: S=4 M=8 R=1 steps=11 useful=8 bubble=0.273" in out
-    assert "circular: S=4 M=8 R=2 steps=19 useful=16 bubble=0.158" in out
+    assert "gpipe: S=4 M=8 R=1 steps=22 bubble=0.273 peak in flight=[8, 8, 8, 8]" in out
+    assert "circular: S=4 M=8 R=2 steps=38 bubble=0.158" in out
+    assert "1f1b: S=4 M=8 R=1 steps=22 bubble=0.273 peak in flight=[4, 3, 2, 1]" in out
+    assert "interleaved-1f1b: S=4 M=8 R=2 steps=38 bubble=0.158" in out
+    assert "zb-h1: S=4 M=8 R=1 steps=29 bubble=0.172 peak in flight=[4, 4, 4, 4]" in out
+    assert "  step  7:  B0  F3  B1  F2" in out
     [reference] = floats(lines_after(out, "sequential loss")[0])
     runs = [line for line in out.splitlines() if "repeats=" in line]
     assert len(runs) == 3

@@ -181,32 +181,83 @@ def test_circular_matches_sequential(pp, mb_per_stage):
 # ------------------------------------------------------------------------ schedules
 
 
-@pytest.mark.parametrize("pp, m, r", [(1, 3, 1), (4, 1, 1), (4, 6, 1), (2, 2, 2), (4, 8, 2), (4, 4, 3)])
-def test_schedule_table(pp, m, r):
-    sched = pipeline_schedule(pp, m, r)
-    assert sched.num_steps == r * m + pp - 1
-    assert sched.bubble_fraction == pytest.approx((pp - 1) / (r * m + pp - 1))
-    # Every (micro-batch, global stage) runs exactly once, and global stage g + 1 runs
-    # one step after stage g on the next device (what one ring shift delivers).
+def _when(sched):
+    """{(op, micro-batch, global stage): step} of a table; every entry exactly once."""
     when = {}
     for t in range(sched.num_steps):
-        for d in range(pp):
-            mb, rep = int(sched.microbatch[t, d]), int(sched.repeat[t, d])
-            assert (mb < 0) == (rep < 0)
-            if mb >= 0:
-                g = rep * pp + d
-                assert (mb, g) not in when
-                when[mb, g] = t
-    assert len(when) == m * pp * r
+        for d in range(sched.num_stages):
+            op, mb, v = (int(a[t, d]) for a in (sched.op, sched.microbatch, sched.virtual))
+            assert (op == 0) == (mb < 0) == (v < 0)
+            if op:
+                key = (op, mb, v * sched.num_stages + d)
+                assert key not in when
+                when[key] = t
+    return when
+
+
+SCHEDULE_CASES = [
+    ("gpipe", 1, 3, 1), ("gpipe", 4, 6, 1), ("circular", 2, 2, 2), ("circular", 4, 8, 2),
+    ("circular", 4, 4, 3), ("1f1b", 4, 1, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1),
+    ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 2, 4, 3), ("zb-h1", 4, 8, 1),
+    ("zb-h1", 8, 16, 1), ("zb-h1", 1, 2, 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, pp, m, r", SCHEDULE_CASES)
+def test_schedule_table(name, pp, m, r):
+    """Every piece of work runs once, after what it needs (one step to reach a neighbour)."""
+    sched = pipeline_schedule(name, pp, m, repeats=r)
+    when = _when(sched)
+    stages = pp * r
+    ops = (1, 2, 3) if name == "zb-h1" else (1, 2)
+    assert set(when) == {(op, mb, g) for op in ops for mb in range(m) for g in range(stages)}
     for mb in range(m):
-        steps = [when[mb, g] for g in range(pp * r)]
-        assert steps == list(range(steps[0], steps[0] + pp * r))
-    report = schedule_report(sched, num_layers=pp * r * 2, layer_activation_bytes=1000)
-    assert report.num_steps == sched.num_steps and report.useful_steps == r * m
-    assert report.bubble_fraction == pytest.approx(sched.bubble_fraction)
-    assert report.layers_per_stage == 2
-    assert report.activation_bytes_per_device == sched.num_steps * 2 * 1000
-    assert "bubble=" in str(report)
+        for g in range(stages):
+            if g:
+                assert when[1, mb, g] > when[1, mb, g - 1]
+            assert when[2, mb, g] > when[1, mb, g]
+            if g < stages - 1:
+                assert when[2, mb, g] > when[2, mb, g + 1]
+            if name == "zb-h1":
+                assert when[3, mb, g] > when[2, mb, g]
+    report = schedule_report(sched)
+    assert report.num_steps == sched.num_steps and "bubble=" in str(report)
+    busy = len(ops) * m * r
+    assert report.idle_fraction == pytest.approx(1 - busy / sched.num_steps)
+    textbook = (pp - 1) / (r * m + pp - 1)
+    if name in ("gpipe", "circular", "1f1b", "interleaved-1f1b"):
+        assert report.bubble_fraction == pytest.approx(textbook)
+    else:  # zero bubble: between the ideal (S - 1) / (3 M + S - 1) and 1F1B's
+        assert (pp - 1) / (3 * m + pp - 1) - 1e-9 <= report.bubble_fraction <= textbook
+    peak = report.peak_in_flight
+    if name in ("gpipe", "circular"):
+        assert peak == (r * m,) * pp
+    elif name == "1f1b":
+        assert peak == tuple(min(m, pp - d) for d in range(pp))
+    elif name == "zb-h1":
+        assert max(peak) <= min(m, pp)
+    else:  # Megatron's warm-up: 2 (S - d - 1) + (R - 1) S forwards, then one more
+        assert peak == tuple(min(r * m, 2 * (pp - d - 1) + (r - 1) * pp + 1) for d in range(pp))
+
+
+def test_schedule_gpipe_forward_timing():
+    """GPipe/circular tables: device d does its k-th forward at step k + d (one ring shift)."""
+    for r in (1, 2):
+        sched = pipeline_schedule("gpipe" if r == 1 else "circular", 4, 8, repeats=r)
+        for d in range(4):
+            steps = [t for t in range(sched.num_steps) if sched.op[t, d] == 1]
+            assert steps == list(range(d, d + r * 8))
+
+
+def test_schedule_errors():
+    with pytest.raises(es.LayerConfigError, match="unknown schedule 'pipedream'"):
+        pipeline_schedule("pipedream", 4, 8)
+    with pytest.raises(es.LayerConfigError, match="'1f1b' schedule runs one stage per device"):
+        pipeline_schedule("1f1b", 4, 8, repeats=2)
+    with pytest.raises(es.LayerConfigError, match="num_microbatches=6 must be a multiple of"):
+        pipeline_schedule("interleaved-1f1b", 4, 6, repeats=2)
+    with pytest.raises(es.LayerConfigError, match="num_stages must be at least 1"):
+        pipeline_schedule("gpipe", 0, 6)
 
 
 def test_layer_order():

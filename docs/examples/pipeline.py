@@ -16,27 +16,29 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.core import from_last_stage, pipeline_schedule, schedule_report
+from equishard.core import SCHEDULES, from_last_stage, pipeline_schedule, schedule_report
 from equishard.report import count_collectives, read_collectives
 
 # --8<-- [end:setup]
 
 # --8<-- [start:schedule]
-gpipe = pipeline_schedule(num_stages=4, num_microbatches=8)
-circular = pipeline_schedule(num_stages=4, num_microbatches=8, repeats=2)
-print("GPipe: micro-batch each device works on, step by step (. = bubble)")
-for t in range(gpipe.num_steps):
-    print(f"  step {t:2d}: " + " ".join(f"{m:2d}" if m >= 0 else " ." for m in gpipe.microbatch[t]))
-for schedule in (gpipe, circular):
-    print(schedule_report(schedule, num_layers=8))
+one_f_one_b = pipeline_schedule("1f1b", num_stages=4, num_microbatches=8)
+print("1F1B: what each device does, step by step (F3 = forward of micro-batch 3, . = idle)")
+for t, row in enumerate(one_f_one_b.rows()):
+    print(f"  step {t:2d}: {row}")
+for name in SCHEDULES:
+    repeats = 2 if name in ("circular", "interleaved-1f1b") else 1
+    print(schedule_report(pipeline_schedule(name, 4, 8, repeats=repeats)))
 # --8<-- [end:schedule]
 
 # --8<-- [start:bubble]
 for m in (4, 8, 16, 32):
-    g = pipeline_schedule(4, m)
-    c = pipeline_schedule(4, m, repeats=2)
-    print(f"M={m:2d}  GPipe: {g.num_steps:3d} steps, bubble {g.bubble_fraction:.3f} = 3/{m + 3:<3d}"
-          f"  circular R=2: {c.num_steps:3d} steps, bubble {c.bubble_fraction:.3f} = 3/{2 * m + 3}")
+    bubble = {
+        name: schedule_report(pipeline_schedule(name, 4, m, repeats=r)).bubble_fraction
+        for name, r in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+    }
+    print(f"M={m:2d}  " + "  ".join(f"{name} {b:.3f}" for name, b in bubble.items())
+          + f"  (3/(M+3) = {3 / (m + 3):.3f})")
 # --8<-- [end:bubble]
 
 

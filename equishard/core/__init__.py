@@ -68,20 +68,23 @@ from ._moe import (
     top_k_router as top_k_router,
 )
 from ._pipeline import (
-    PipelineSchedule as PipelineSchedule,
-    ScheduleReport as ScheduleReport,
     execute_circular_pipeline as execute_circular_pipeline,
     execute_pipeline as execute_pipeline,
     execute_pipeline_step as execute_pipeline_step,
     from_last_stage as from_last_stage,
     pipeline_layer_order as pipeline_layer_order,
-    pipeline_schedule as pipeline_schedule,
-    schedule_report as schedule_report,
 )
 from ._random import (
     bernoulli_block as bernoulli_block,
     example_keys as example_keys,
     global_index as global_index,
+)
+from ._schedule import (
+    SCHEDULES as SCHEDULES,
+    PipelineSchedule as PipelineSchedule,
+    ScheduleReport as ScheduleReport,
+    pipeline_schedule as pipeline_schedule,
+    schedule_report as schedule_report,
 )
 
 _MOVED_TO_REPORT = (

@@ -37,196 +37,36 @@ from jaxtyping import Array
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
 from ._collectives import ring_shift
+from ._schedule import FORWARD, pipeline_schedule
 
 # ----------------------------------------------------------------------------------------
-# The schedule: a static table, shared by execution and the report.
+# GPipe and circular: the forward half of their tables, run as one differentiated scan.
 # ----------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineSchedule:
-    """A static pipeline schedule: what every device does at every step.
-
-    Built by `pipeline_schedule`. Entry `[t, d]` of the tables says which micro-batch
-    device `d` works on at step `t` and which of its local stages (`repeat`) it runs;
-    `-1` marks a bubble (the device computes, but the result is never used).
-
-    **Fields:**
-
-    - `num_stages`: devices along the stage axis, `S`.
-    - `num_microbatches`: `M`.
-    - `repeats`: local stages per device, `R` (1 for GPipe).
-    - `microbatch`: `int32[K, S]` numpy array, micro-batch index or `-1`.
-    - `repeat`: `int32[K, S]` numpy array, local stage index or `-1`.
-    """
+class _ForwardTable:
+    """Which micro-batch (and local stage) each device's forward works on at each step."""
 
     num_stages: int
     num_microbatches: int
     repeats: int
-    microbatch: np.ndarray
-    repeat: np.ndarray
+    microbatch: np.ndarray  # int32[K, S], -1 in a bubble
+    repeat: np.ndarray  # int32[K, S], -1 in a bubble
 
     @property
     def num_steps(self) -> int:
-        """The schedule's length `K` in steps (`R M + S - 1`)."""
         return int(self.microbatch.shape[0])
 
-    @property
-    def bubble_fraction(self) -> float:
-        """The fraction of (step, device) slots that do no useful work."""
-        return float(np.mean(self.microbatch < 0))
 
-
-def _check_schedule_args(num_stages: int, num_microbatches: int, repeats: int) -> None:
-    if num_stages < 1:
-        raise LayerConfigError(f"pipeline: num_stages must be at least 1, got {num_stages}.")
-    if num_microbatches < 1:
-        raise LayerConfigError(
-            f"pipeline: num_microbatches must be at least 1, got {num_microbatches}."
-        )
-    if repeats < 1:
-        raise LayerConfigError(f"pipeline: repeats must be at least 1, got {repeats}.")
-    if repeats > 1 and num_microbatches % num_stages:
-        raise LayerConfigError(
-            f"circular pipeline: num_microbatches={num_microbatches} must be a multiple "
-            f"of the number of stages {num_stages} (micro-batches go round the ring in "
-            f"groups of {num_stages}); with repeats={repeats}."
-        )
-
-
-def pipeline_schedule(num_stages: int, num_microbatches: int, repeats: int = 1) -> PipelineSchedule:
-    """The static schedule of a GPipe (`repeats=1`) or circular (`repeats>1`) pipeline.
-
-    Device `d` does its `k`-th piece of work at step `t = k + d`, for
-    `0 <= k < R M`. With `R = 1` piece `k` is micro-batch `k`. With `R > 1`
-    micro-batches are taken in groups of `S`: piece `k` is group `g = k // (S R)`,
-    repeat `r = (k mod S R) // S`, micro-batch `g S + k mod S`, so the last device's
-    output for repeat `r` reaches the first device exactly when it runs repeat `r + 1`.
-
-    **Arguments:**
-
-    - `num_stages`: devices along the stage axis, `S`.
-    - `num_microbatches`: `M`; a multiple of `S` when `repeats > 1`.
-    - `repeats`: local stages per device, `R`.
-
-    **Returns:**
-
-    A `PipelineSchedule` of `R M + S - 1` steps.
-
-    **Raises:**
-
-    `LayerConfigError` for a count below 1, or `M` not a multiple of `S` when `R > 1`.
-    """
-    _check_schedule_args(num_stages, num_microbatches, repeats)
-    s, m, r = num_stages, num_microbatches, repeats
-    steps = r * m + s - 1
-    t = np.arange(steps)[:, None]
-    d = np.arange(s)[None, :]
-    k = t - d  # int[K, S]: index of the piece of work
-    valid = (k >= 0) & (k < r * m)
-    kc = np.where(valid, k, 0)
-    if r == 1:
-        mb, rep = kc, np.zeros_like(kc)
-    else:
-        within = kc % (s * r)
-        rep = within // s
-        mb = (kc // (s * r)) * s + within % s
-    microbatch = np.where(valid, mb, -1).astype(np.int32)
-    repeat = np.where(valid, rep, -1).astype(np.int32)
-    return PipelineSchedule(s, m, r, microbatch, repeat)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleReport:
-    """What a pipeline schedule costs, read off its table (see `schedule_report`).
-
-    **Fields:**
-
-    - `name`: `"gpipe"` or `"circular"`.
-    - `num_stages`, `num_microbatches`, `repeats`: the schedule's `S`, `M`, `R`.
-    - `num_steps`: `K = R M + S - 1`, the stage calls each device makes.
-    - `useful_steps`: `R M`, the stage calls per device whose result is used.
-    - `bubble_fraction`: `1 - useful_steps / num_steps`, counted over the table.
-    - `saved_stage_calls`: stage calls whose residuals each device keeps for the
-      backward pass of the differentiated scan (`K`: every step, bubbles included).
-    - `layers_per_stage`: `L / (S R)` when `num_layers` was given, else `None`.
-    - `activation_bytes_per_device`: `K * layers_per_stage * layer_activation_bytes`
-      when both were given, else `None`.
-    """
-
-    name: str
-    num_stages: int
-    num_microbatches: int
-    repeats: int
-    num_steps: int
-    useful_steps: int
-    bubble_fraction: float
-    saved_stage_calls: int
-    layers_per_stage: int | None
-    activation_bytes_per_device: int | None
-
-    def __str__(self) -> str:
-        text = (
-            f"{self.name}: S={self.num_stages} M={self.num_microbatches} "
-            f"R={self.repeats} steps={self.num_steps} useful={self.useful_steps} "
-            f"bubble={self.bubble_fraction:.3f} saved_stage_calls={self.saved_stage_calls}"
-        )
-        if self.layers_per_stage is not None:
-            text += f" layers/stage={self.layers_per_stage}"
-        if self.activation_bytes_per_device is not None:
-            text += f" activations/device={self.activation_bytes_per_device / 2**20:.2f} MiB"
-        return text
-
-
-def schedule_report(
-    schedule: PipelineSchedule,
-    *,
-    num_layers: int | None = None,
-    layer_activation_bytes: int | None = None,
-) -> ScheduleReport:
-    """Steps, bubble fraction and per-device activation memory of a schedule.
-
-    The bubble fraction is counted over the schedule's table (in SPMD every device
-    computes at every step, so it cannot be measured). Activation memory follows from
-    autodiff of a `scan`: each device keeps the residuals of every one of its `K` stage
-    calls until the backward pass; one stage call on one micro-batch keeps
-    `layers_per_stage * layer_activation_bytes`.
-
-    **Arguments:**
-
-    - `schedule`: from `pipeline_schedule`.
-    - `num_layers`: the layers of the whole pipeline, `L` (optional).
-    - `layer_activation_bytes`: bytes one layer keeps for the backward pass for one
-      micro-batch (optional; needs `num_layers`).
-
-    **Returns:**
-
-    A `ScheduleReport` (its `str` is a one-line summary).
-
-    **Raises:**
-
-    `LayerConfigError` if `num_layers` is not divisible by `S R`.
-    """
-    s, m, r = schedule.num_stages, schedule.num_microbatches, schedule.repeats
-    useful = int(np.sum(schedule.microbatch[:, 0] >= 0))
-    layers_per_stage = None
-    act_bytes = None
-    if num_layers is not None:
-        layers_per_stage = _layers_per_stage(num_layers, s, r)
-        if layer_activation_bytes is not None:
-            act_bytes = schedule.num_steps * layers_per_stage * int(layer_activation_bytes)
-    return ScheduleReport(
-        name="gpipe" if r == 1 else "circular",
-        num_stages=s,
-        num_microbatches=m,
-        repeats=r,
-        num_steps=schedule.num_steps,
-        useful_steps=useful,
-        bubble_fraction=schedule.bubble_fraction,
-        saved_stage_calls=schedule.num_steps,
-        layers_per_stage=layers_per_stage,
-        activation_bytes_per_device=act_bytes,
-    )
+def _forward_table(name: str, num_stages: int, num_microbatches: int, repeats: int) -> _ForwardTable:
+    """The forward steps of a GPipe or circular `pipeline_schedule`: `R M + S - 1` of them."""
+    table = pipeline_schedule(name, num_stages, num_microbatches, repeats=repeats)
+    forward = table.op == FORWARD
+    steps = int(np.max(np.nonzero(forward.any(axis=1))[0])) + 1
+    microbatch = np.where(forward, table.microbatch, -1)[:steps]
+    repeat = np.where(forward, table.virtual, -1)[:steps]
+    return _ForwardTable(num_stages, num_microbatches, repeats, microbatch, repeat)
 
 
 def _layers_per_stage(num_layers: int, num_stages: int, repeats: int) -> int:
@@ -363,7 +203,7 @@ def _split_microbatches(x: Array, num_microbatches: int, num_stages: int, what: 
 def _run_schedule(
     call: Callable[[Array, Array], Array],
     x: Array,
-    schedule: PipelineSchedule,
+    schedule: _ForwardTable,
     model_axis_name: str,
     what: str,
 ) -> Array:
@@ -458,7 +298,7 @@ def execute_pipeline(
     activation's shape or dtype.
     """
     num_stages = _num_stages(model_axis_name)
-    schedule = pipeline_schedule(num_stages, num_microbatches, 1)
+    schedule = _forward_table("gpipe", num_stages, num_microbatches, 1)
 
     def call(rep: Array, h: Array) -> Array:
         del rep
@@ -505,7 +345,7 @@ def execute_circular_pipeline(
     or the stage changes the activation's shape or dtype.
     """
     num_stages = _num_stages(model_axis_name)
-    schedule = pipeline_schedule(num_stages, num_microbatches, repeats)
+    schedule = _forward_table("circular", num_stages, num_microbatches, repeats)
 
     def call(rep: Array, h: Array) -> Array:
         return module(rep, h, *args, **kwargs)

@@ -99,7 +99,7 @@ class PipelineModule(eqx.Module):
             check_positive("PipelineModule", what, value)
         # Both validate: L against S R, and M against S when R > 1.
         order = np.asarray(pipeline_layer_order(num_layers, num_stages, repeats))
-        pipeline_schedule(num_stages, num_microbatches, repeats)
+        pipeline_schedule("gpipe" if repeats == 1 else "circular", num_stages, num_microbatches, repeats=repeats)
         self.model_axis_name = model_axis_name
         self.num_microbatches = num_microbatches
         self.num_layers = num_layers
