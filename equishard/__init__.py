@@ -16,6 +16,7 @@ from ._errors import (
     SpecError as SpecError,
     TrainingError as TrainingError,
 )
+from .nn import parallelize as parallelize
 from .sharding import (
     Layout as Layout,
     Parallelism as Parallelism,

@@ -40,3 +40,11 @@ def text_table(
     if total is not None:
         out += [rule, line(total)]
     return "\n".join(out)
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """`"TypeError: <the first line of its message>"`, cut to `limit` characters."""
+    text = str(err).strip().splitlines()
+    line = text[0] if text else ""
+    line = line if len(line) <= limit else line[:limit] + "..."
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__

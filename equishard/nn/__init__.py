@@ -22,6 +22,16 @@ from ._linear import (
     RowParallelLinear as RowParallelLinear,
 )
 from ._moe import MoE as MoE, MoEAux as MoEAux
+from ._parallelize import (
+    ColwiseParallel as ColwiseParallel,
+    EmbeddingParallel as EmbeddingParallel,
+    HeadParallel as HeadParallel,
+    Replicate as Replicate,
+    RowwiseParallel as RowwiseParallel,
+    SequenceParallel as SequenceParallel,
+    SplitDropout as SplitDropout,
+    parallelize as parallelize,
+)
 from ._pipeline import PipelineModule as PipelineModule
 from ._tp_dense import Dense as Dense, TPAsyncDense as TPAsyncDense, TPDense as TPDense
 from ._transformer import (

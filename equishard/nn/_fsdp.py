@@ -42,7 +42,8 @@ from ..sharding._fsdp import (
     fsdp_split_params,
     shard_params,
 )
-from ..sharding._specs import is_array_like, path_str, spec_axes
+from ..sharding._rules import map_modules
+from ..sharding._specs import is_array_like, spec_axes
 
 
 def _check_dtype(name: str, dtype: Any) -> None:
@@ -558,23 +559,13 @@ def fsdp_wrap(
     matches = _policy_matcher(policy)
     wrapped: list[str] = []
 
-    def visit(node: Any, prefix: str) -> Any:
-        if matches(prefix, node):
-            wrapped.append(prefix)
-            return FSDP(node, axis_name, min_weight_size=min_weight_size, mesh=mesh, **fsdp_options)
-        children, treedef = jax.tree_util.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
-        )
-        if len(children) == 1 and children[0][1] is node:
-            return node
-        out = []
-        for path, child in children:
-            name = path_str(path)
-            joined = name if not prefix else prefix + ("" if name.startswith("[") else ".") + name
-            out.append(visit(child, joined) if isinstance(child, eqx.Module) else child)
-        return jax.tree_util.tree_unflatten(treedef, out)
+    def visit(path: str, node: Any, descend: Callable[[Any], Any]) -> Any:
+        if not matches(path, node):
+            return descend(node)
+        wrapped.append(path)
+        return FSDP(node, axis_name, min_weight_size=min_weight_size, mesh=mesh, **fsdp_options)
 
-    result = visit(model, "")
+    result = map_modules(model, visit)
     if not wrapped:
         raise LayerConfigError(
             f"fsdp_wrap: policy {policy!r} selects no module of {type(model).__name__}."

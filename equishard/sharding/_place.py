@@ -15,7 +15,7 @@ from ._box import is_sharded
 from ._specs import check_tree_specs, is_array_like, is_spec, specs_of
 
 
-def _is_tracer(x: Any) -> bool:
+def is_tracer(x: Any) -> bool:
     return isinstance(x, Tracer)
 
 
@@ -31,7 +31,7 @@ def place(x: Any, mesh: Mesh | AbstractMesh, spec: P) -> Any:
     `with_sharding_constraint` on one with Auto axes.
     """
     sharding = NamedSharding(mesh, spec)
-    if not _is_tracer(x):
+    if not is_tracer(x):
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
         return jax.device_put(x, sharding)
@@ -108,7 +108,7 @@ def gather(tree: PyTree, *, mesh: Mesh | None = None, device: Any = None) -> PyT
         device = jax.local_devices()[0]
 
     def whole(x: Any) -> Any:
-        if _is_tracer(x):
+        if is_tracer(x):
             target = mesh if mesh is not None else jax.typeof(x).sharding.mesh
             # A traced array with no mesh in its type is not sharded: already whole.
             return x if target.empty else place(x, target, P())

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
@@ -32,11 +33,16 @@ def _compile_rules(rules: Rules) -> list[tuple[re.Pattern[str], P]]:
         pattern, spec = rule
         if not is_spec(spec):
             raise SpecError(f"rule {i} ({pattern!r}) gives {spec!r}, not a PartitionSpec.")
-        try:
-            compiled.append((re.compile(pattern), spec))
-        except re.error as err:
-            raise SpecError(f"rule {i}: {pattern!r} is not a valid regular expression ({err}).") from None
+        compiled.append((compile_pattern(pattern, f"rule {i}"), spec))
     return compiled
+
+
+def compile_pattern(pattern: str, what: str) -> re.Pattern[str]:
+    """`re.compile(pattern)`, or a `SpecError` that names `what` gave the pattern."""
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise SpecError(f"{what}: {pattern!r} is not a valid regular expression ({err}).") from None
 
 
 def apply_rules(tree: PyTree, rules: Rules, *, strict: bool = False) -> PyTree:
@@ -101,3 +107,31 @@ def apply_rules(tree: PyTree, rules: Rules, *, strict: bool = False) -> PyTree:
             raise SpecError(message)
         warnings.warn(message, stacklevel=2)
     return out
+
+
+def map_modules(tree: PyTree, fn: Callable[[str, Any, Callable[[Any], Any]], Any]) -> PyTree:
+    """Rebuild `tree` module by module, outermost first, each module seen with its path.
+
+    `fn(path, module, descend)` returns what replaces `module`; `descend(module)` is
+    `module` with `fn` applied to each of its sub-modules (return it to leave the module
+    as it is and look inside). Paths are written as `blocks[3].attention`; the root's is
+    `""`. Used by the module-level plans (`fsdp_wrap`'s policy, `parallelize`'s plan).
+    """
+
+    def descend(node: Any, prefix: str) -> Any:
+        children, treedef = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
+        )
+        if len(children) == 1 and children[0][1] is node:
+            return node
+        out = []
+        for path, child in children:
+            name = path_str(path)
+            joined = name if not prefix else prefix + ("" if name.startswith("[") else ".") + name
+            out.append(visit(child, joined) if isinstance(child, eqx.Module) else child)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def visit(node: Any, prefix: str) -> Any:
+        return fn(prefix, node, lambda n: descend(n, prefix))
+
+    return visit(tree, "")

@@ -41,13 +41,13 @@ from jaxtyping import PyTree
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from .._errors import CheckpointError
+from .._text import first_line
 from ._format import (
     FORMAT,
     FORMAT_VERSION,
     array_record,
     check_fits,
     checksums,
-    first_line,
     flatten,
     rebuild,
     storable,

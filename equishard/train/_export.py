@@ -10,8 +10,8 @@ import jax
 from jaxtyping import PyTree
 
 from .._errors import CheckpointError
+from .._text import first_line
 from ..sharding import gather, is_sharded, unbox
-from ._format import first_line
 
 # ---------------------------------------------------------------------------------------
 # Plain-Equinox export

@@ -170,13 +170,6 @@ def rebuild(leaf: Any, entry: Entry, restored: Any, record: Mapping[str, Any]) -
     return leaf.with_value(restored) if is_sharded(leaf) else restored
 
 
-def first_line(err: BaseException, limit: int = 300) -> str:
-    text = str(err).strip().splitlines()
-    line = text[0] if text else ""
-    line = line if len(line) <= limit else line[:limit] + "..."
-    return f"{type(err).__name__}: {line}" if line else type(err).__name__
-
-
 def _describe_config(meta: Mapping[str, Any]) -> str:
     user = meta.get("user")
     if not user:
