@@ -9,6 +9,7 @@ import json
 import math
 import pathlib
 import shutil
+import struct
 
 import pytest
 
@@ -178,3 +179,42 @@ def test_resume_names_the_step_the_layout_and_what_changed(tiny_run, tmp_path, c
     ) in out
     assert "warning: --eval-every" not in out  # changes nothing that was trained
     assert [step for step, _ in _losses(copy)] == [1, 2, 3, 4, 5]
+    # TensorBoard: the resumed writer's file starts with the purge marker at step 5
+    # (events an interrupted run wrote after its checkpoint are dropped) and goes on there.
+    (new,) = set((copy / "tensorboard").iterdir()) - {copy / "tensorboard" / p.name for p in (run_dir / "tensorboard").iterdir()}
+    events = _events(new)
+    starts = [e.step for e in events if e.HasField("session_log") and e.session_log.status == 1]
+    assert starts == [5]
+    assert _scalars(events, "train/loss") == {5: pytest.approx(_losses(copy)[-1][1], rel=1e-7)}
+
+
+def _events(path: pathlib.Path) -> list:
+    """The events of a TensorBoard file (TFRecord framing: length, its CRC, data, CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    data, at, out = path.read_bytes(), 0, []
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        event = event_pb2.Event()
+        event.ParseFromString(data[at + 12 : at + 12 + length])
+        out.append(event)
+        at += 12 + length + 4
+    return out
+
+
+def _scalars(events: list, tag: str) -> dict[int, float]:
+    return {e.step: v.simple_value for e in events for v in e.summary.value if v.tag == tag}
+
+
+def test_tensorboard_events_hold_the_step_log(tiny_run):
+    _, _, rows, run_dir = tiny_run
+    (path,) = (run_dir / "tensorboard").iterdir()
+    events = _events(path)
+    steps = [row for row in rows if "loss" in row]
+    for field in ("loss", "grad_norm", "lr", "step_time", "tokens_per_s", "mfu"):
+        written = _scalars(events, f"train/{field}")
+        assert written == {row["step"]: pytest.approx(row[field], rel=1e-6) for row in steps}, field
+    val = {row["step"]: pytest.approx(row["val_loss"], rel=1e-6) for row in rows if "val_loss" in row}
+    assert _scalars(events, "val/loss") == val
+    texts = [v.tensor.string_val[0].decode() for e in events for v in e.summary.value if v.tag.startswith("config")]
+    assert texts and 'layout = "dp=2,fsdp=2,tp=2"' in texts[0]

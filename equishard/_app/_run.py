@@ -79,6 +79,7 @@ class TrainConfig:
     sample_bytes: int = 200
     progress: bool = True
     plot: bool = True
+    tensorboard: bool = True
 
 
 def make_schedule(config: TrainConfig) -> optax.Schedule:
@@ -545,6 +546,7 @@ def _train(
         step_fn = phases.timed("compile", lambda: r.train_step.compile(state, first_batch))
         print_fn(f"compiled the train step in {phases.seconds['compile']:.1f} s")
     bar = _progress(config, first) if coordinator else None
+    board = _tensorboard(config, run_dir, first, print_fn) if coordinator else None
 
     def emit(line: str) -> None:
         if bar is None:
@@ -579,6 +581,8 @@ def _train(
             row["time"] = time.time()
             out.write(json.dumps(row) + "\n")
             rows.append(row)
+            if board is not None:
+                board.step(row)
             if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                 # The line shows the mean over the steps since the last line.
                 logged = {**row, "step_time": window.seconds / window.steps, **window.total()}
@@ -588,6 +592,9 @@ def _train(
                 val_loss = phases.timed("evaluation", lambda: r.validation_loss(state, corpus))
                 out.write(json.dumps({"step": step + 1, "val_loss": val_loss, "time": time.time()}) + "\n")
                 rows.append({"step": step + 1, "val_loss": val_loss})
+                if board is not None:
+                    board.step(rows[-1])
+                    board.flush()
                 emit(f"step {step + 1}: validation loss {val_loss:.4f}")
             out.flush()
             if skipped_in_a_row >= config.max_skipped_steps:
@@ -605,6 +612,8 @@ def _train(
                 phases.timed("checkpoint", lambda: ckpt.save(step + 1, state))
         if bar is not None:
             bar.close()
+        if board is not None:
+            board.close()
 
     def final_checkpoint() -> None:
         ckpt.save(int(state.step), state, exist_ok=True)
@@ -662,6 +671,21 @@ def _too_many_skipped(step: int, count: int, metrics: dict[str, Any], ckpt: Chec
         f"have not changed since step {step - count}{resume}. Lower --lr, or check the "
         f"model and the data."
     )
+
+
+def _tensorboard(config: TrainConfig, run_dir: pathlib.Path, first: int, print_fn: Callable[[str], None]) -> Any:
+    """The run's TensorBoard writer (with the configuration as text), or `None`."""
+    if not config.tensorboard:
+        return None
+    from ._config import config_toml
+    from ._tensorboard import open_tensorboard
+
+    board, note = open_tensorboard(run_dir, first)
+    if note is not None:
+        print_fn(note)
+    elif board is not None and not first:
+        board.text("config", config_toml(config))
+    return board
 
 
 def _silent(text: str) -> None:
