@@ -80,6 +80,18 @@ def test_every_layout_trains_to_the_same_losses(spec):
         assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
 
 
+GQA = dataclasses.replace(DENSE, n_kv_heads=2)
+
+
+@pytest.mark.parametrize("spec", ["tp=8"])
+def test_grouped_query_attention_trains_to_the_same_losses(spec):
+    """Key/value heads replicated over tp=8 (n_kv_heads=2); split over tp in the cp layouts."""
+    reference = _losses("dp=1", GQA)
+    assert reference[-1] < reference[0] - 1.0
+    for step, (a, b) in enumerate(zip(_losses(spec, GQA), reference)):
+        assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
+
+
 def test_sequence_parallel_trains_to_the_same_losses():
     reference = _losses("dp=1", DENSE)
     losses = _losses("dp=2,tp=4", DENSE, sequence_parallel=True)

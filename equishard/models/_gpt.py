@@ -58,6 +58,9 @@ class GPTConfig:
 
     - `vocab_size`: vocabulary (256 for bytes).
     - `d_model`, `n_heads`, `n_layers`, `d_ff`: width, heads, depth, MLP hidden width.
+    - `n_kv_heads`: key/value heads of grouped-query attention (`None`: `n_heads`,
+      multi-head attention; 1: multi-query). With a tensor axis larger than
+      `n_kv_heads` the key/value projection is replicated over it (Megatron's rule).
     - `tied`: share the embedding table with the output head.
     - `moe_every`: every `moe_every`-th block has a mixture-of-experts MLP (0: none).
     - `num_experts`, `top_k`, `capacity_factor`, `moe_group_size`: the MoE layers'.
@@ -72,6 +75,7 @@ class GPTConfig:
     n_heads: int = 8
     n_layers: int = 4
     d_ff: int = 512
+    n_kv_heads: int | None = None
     tied: bool = False
     moe_every: int = 0
     num_experts: int = 8
@@ -121,8 +125,10 @@ def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray)
             data_axis_name=tuple(a for a in par.data_axes if a != par.expert),
             activation=jax.nn.silu, key=jax.random.split(key)[1],
         )  # fmt: skip
+    n_kv = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
     return TransformerBlock(
-        config.d_model, config.n_heads, config.d_ff, axis_name=TP, style=style, rotary=True,
+        config.d_model, config.n_heads, config.d_ff, n_kv_heads=n_kv,
+        kv_replicated=par.size(par.tensor) > n_kv, axis_name=TP, style=style, rotary=True,
         rotary_base=config.rotary_base, swiglu=True, moe=experts, key=key,
     )  # fmt: skip
 
@@ -202,6 +208,18 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
     if config.d_model % config.n_heads:
         raise LayerConfigError(
             f"GPT: n_heads={config.n_heads} does not divide d_model={config.d_model}."
+        )
+    n_kv = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+    if n_kv < 1 or config.n_heads % n_kv:
+        raise LayerConfigError(
+            f"GPT: n_kv_heads={config.n_kv_heads} does not divide n_heads={config.n_heads}."
+        )
+    if (tp % n_kv if tp > n_kv else n_kv % tp):
+        raise LayerConfigError(
+            f"GPT: n_kv_heads={n_kv} and the tensor-parallel axis {par.tensor!r} of size {tp} "
+            f"do not divide one another (key/value heads are split over the axis, or "
+            f"replicated over it when it is larger); choose a layout whose tp divides or is a "
+            f"multiple of n_kv_heads."
         )
     ep = par.size(par.expert)
     if config.moe_every and config.num_experts % ep:

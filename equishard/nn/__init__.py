@@ -38,6 +38,7 @@ from ._transformer import (
     ParallelAttention as ParallelAttention,
     ParallelMLP as ParallelMLP,
     RMSNorm as RMSNorm,
+    SharedKVLinear as SharedKVLinear,
     TransformerBlock as TransformerBlock,
     causal_attention as causal_attention,
     rotary_embedding as rotary_embedding,

@@ -10,10 +10,14 @@ Two styles over the same tensor-parallel axis, with the same parameters:
   the tokens; the input of each column layer is all-gathered over the sequence and
   the output of each row layer reduce-scattered over it.
 
-Attention heads are split over the axis (`n_heads` must be divisible by its size); the
-fused QKV projection is a `ColumnParallelLinear` with `stride=3`, so each device holds
-the query, key and value columns of its own heads. Outside any `shard_map` the block is
-the plain single-device block on its global parameters.
+Attention heads are split over the axis (`n_heads` must be divisible by its size). With
+as many key/value heads as query heads the fused QKV projection is a
+`ColumnParallelLinear` with `stride=3`, so each device holds the query, key and value
+columns of its own heads; with grouped-query attention (`n_kv_heads < n_heads`) the
+queries and the keys/values have separate projections, the key/value heads split over
+the axis when it has at most `n_kv_heads` devices and replicated otherwise (see
+`ParallelAttention`). Outside any `shard_map` the block is the plain single-device
+block on its global parameters.
 """
 
 from __future__ import annotations
@@ -26,20 +30,23 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._axes import cast_varying, varying_axes
+from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
+from ..core import attention as attention_kernel, gather_tokens, mp_copy
 from ..sharding import Sharded
 from ._init import (
     axis_size,
     check_choice,
     check_divisible,
+    check_init_type,
     check_positive,
     default_dtype,
+    init_weight,
     value_of,
 )
-from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._linear import ColumnParallelLinear, RowParallelLinear, add_bias
 from ._moe import MoE, MoEAux
 
 STYLES = ("megatron", "sequence")
@@ -100,16 +107,24 @@ class RMSNorm(eqx.Module):
         return h.astype(x.dtype)
 
 
-def rotary_embedding(x: Float[Array, "... seq heads head_dim"], base: float = 10000.0) -> Float[Array, "... seq heads head_dim"]:
+def rotary_embedding(
+    x: Float[Array, "... seq heads head_dim"],
+    base: float = 10000.0,
+    *,
+    positions: Int[Array, "... seq"] | None = None,
+) -> Float[Array, "... seq heads head_dim"]:
     """Rotate query or key features by their position (RoPE, the half-split variant).
 
-    Position `p` (0 to `seq - 1`) and frequency `i` rotate the pair
-    `(x[..., i], x[..., i + head_dim/2])` by the angle `p * base**(-2i/head_dim)`.
+    Position `p` and frequency `i` rotate the pair `(x[..., i], x[..., i + head_dim/2])`
+    by the angle `p * base**(-2i/head_dim)`.
 
     **Arguments:**
 
-    - `x`: `[..., seq, heads, head_dim]` with an even `head_dim`; all positions present.
+    - `x`: `[..., seq, heads, head_dim]` with an even `head_dim`.
     - `base`: the frequency base.
+    - `positions`: the integer position of each token, `[seq]` or `[..., seq]` (a
+      sequence split over devices or permuted, see the "Long sequences" guide);
+      default `0, 1, ..., seq - 1`.
 
     **Returns:**
 
@@ -118,8 +133,15 @@ def rotary_embedding(x: Float[Array, "... seq heads head_dim"], base: float = 10
     seq, head_dim = x.shape[-3], x.shape[-1]
     half = head_dim // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * (2.0 / head_dim))
-    # f32[T, 1, hd/2]
-    angles = (jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :])[:, None, :]
+    if positions is None:
+        positions = jnp.arange(seq, dtype=jnp.int32)
+    if positions.shape[-1] != seq:
+        raise LayerConfigError(
+            f"rotary_embedding: positions of shape {positions.shape} for a sequence of {seq} tokens."
+        )
+    # f32[..., T, 1, hd/2]
+    pos = positions.astype(jnp.float32)[..., :, None]
+    angles = (pos * jnp.broadcast_to(inv_freq, (*pos.shape[:-1], half)))[..., :, None, :]
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
     cos = jnp.broadcast_to(jnp.cos(angles), x1.shape)
@@ -154,20 +176,130 @@ def causal_attention(
     return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
-class ParallelAttention(eqx.Module):
-    """Multi-head causal self-attention with the heads split over the axis.
+class SharedKVLinear(eqx.Module):
+    """The key/value projection of grouped-query attention when the axis outnumbers the key/value heads.
 
-    `qkv` is a `ColumnParallelLinear(d_model, 3 * d_model, stride=3)`: its global weight
-    is `[Wq; Wk; Wv]` and each device holds the columns of its `n_heads / n` heads of
-    each. `proj` is a `RowParallelLinear(d_model, d_model, input_is_parallel=True)`.
-    Heads are laid out head-major in the features (`head h` is features
-    `[h * head_dim, (h + 1) * head_dim)`).
+    Megatron's rule for `n` tensor-parallel devices and `n_kv_heads < n` key/value heads:
+    each key/value head serves the `n / n_kv_heads` devices whose query heads read it.
+    The weight is stored once (`[2, n_kv_heads * head_dim, in]`, keys then values,
+    replicated over the axis, `P()`), each device projects only onto the head its query
+    heads read, and the gradient is summed over the devices (those not reading a head
+    contribute zero to its columns). Its global weight and bias are those of the
+    `ColumnParallelLinear(in, 2 * n_kv_heads * head_dim, stride=2)` the same key builds,
+    so a checkpoint moves between the split and the replicated layout.
     """
 
-    qkv: ColumnParallelLinear
+    weight: Sharded
+    bias: Sharded | None
+    in_features: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        axis_name: str = "tp",
+        bias: bool = False,
+        init_type: str = "xavier_normal",
+        sequence_parallel: bool = False,
+        dtype: Any = None,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `in_features`: the input width.
+        - `n_kv_heads`, `head_dim`: the key/value heads and their size.
+        - `axis_name`: the tensor-parallel mesh axis.
+        - `bias`: whether to add a bias.
+        - `init_type`: see `equishard.nn.init_weight`.
+        - `sequence_parallel`: the input is split over its token dimension (-2) and is
+          all-gathered before the projection.
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key (drawn as `ColumnParallelLinear` draws it).
+        """
+        name = "SharedKVLinear"
+        for what, value in (("in_features", in_features), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            check_positive(name, what, value)
+        check_init_type(name, init_type)
+        out = 2 * n_kv_heads * head_dim
+        wkey, _, _ = jax.random.split(key, 3)
+        # f32[2 Hkv hd, in] (global) stored as f32[2, Hkv hd, in], replicated.
+        w = init_weight(wkey, (out, in_features), init_type, dtype=dtype)
+        self.weight = Sharded(w.reshape(2, out // 2, in_features), P())
+        self.bias = Sharded(jnp.zeros((2, out // 2), w.dtype), P()) if bias else None
+        self.in_features = in_features
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel
+
+    def __call__(
+        self, x: Float[Array, "... in_features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "... kv_local"]:
+        """**Arguments:**
+
+        - `x`: `[..., T, in]` replicated over the axis (with `sequence_parallel`, this
+          device's `[..., T/n, in]`).
+        - `key`: ignored.
+
+        **Returns:**
+
+        `[..., T, 2 * h * head_dim]`: keys then values of the `h` key/value heads this
+        device's query heads read (`h = max(n_kv_heads / n, 1)`), for all tokens.
+        """
+        n = axis_size(self.axis_name)
+        local = max(self.n_kv_heads // n, 1)
+        w = value_of(self.weight).reshape(2, self.n_kv_heads, self.head_dim, self.in_features)
+        b = None if self.bias is None else value_of(self.bias).reshape(2, self.n_kv_heads, self.head_dim)
+        if is_bound(self.axis_name):
+            if self.sequence_parallel:
+                # f32[..., T/n, in] -> f32[..., T, in]
+                x = gather_tokens(x, self.axis_name)
+            else:
+                x = mp_copy(x, axis_name=self.axis_name)
+            # The first key/value head this device's query heads read.
+            start = jax.lax.axis_index(self.axis_name) * self.n_kv_heads // n
+            w = jax.lax.dynamic_slice_in_dim(w, start, local, axis=1)
+            b = None if b is None else jax.lax.dynamic_slice_in_dim(b, start, local, axis=1)
+        # f32[..., in] @ f32[in, 2 h hd] -> f32[..., 2 h hd]
+        y = x @ w.reshape(-1, self.in_features).T
+        if b is not None:
+            y = add_bias(y, b.reshape(-1))
+        return y
+
+
+class ParallelAttention(eqx.Module):
+    """Causal self-attention with the heads split over the axis; grouped-query heads.
+
+    With `n_kv_heads == n_heads` (multi-head attention), `qkv` is a
+    `ColumnParallelLinear(d_model, 3 * d_model, stride=3)`: its global weight is
+    `[Wq; Wk; Wv]` and each device holds the columns of its `n_heads / n` heads of each.
+    With `n_kv_heads < n_heads` (grouped-query attention; multi-query with
+    `n_kv_heads=1`), query head `h` reads key/value head `h // (n_heads / n_kv_heads)`;
+    `q` is a `ColumnParallelLinear(d_model, d_model)` and `kv` projects onto
+    `[Wk; Wv]` (`2 * n_kv_heads * head_dim` outputs): a `ColumnParallelLinear` with
+    `stride=2`, split over the axis, when the axis has at most `n_kv_heads` devices,
+    or (`kv_replicated=True`) a `SharedKVLinear` stored once and replicated over the
+    axis, each device projecting onto the one head its query heads read, when the axis
+    has more (Megatron's rule). `proj` is a
+    `RowParallelLinear(d_model, d_model, input_is_parallel=True)`. Heads are laid out
+    head-major in the features (head `h` is features `[h * head_dim, (h + 1) * head_dim)`).
+    Scores come from `equishard.core.attention` (blockwise above its threshold); see the
+    "Long sequences" guide.
+    """
+
+    qkv: ColumnParallelLinear | None
+    q: ColumnParallelLinear | None
+    kv: ColumnParallelLinear | SharedKVLinear | None
     proj: RowParallelLinear
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
     style: str = eqx.field(static=True)
     rotary: bool = eqx.field(static=True)
@@ -178,6 +310,8 @@ class ParallelAttention(eqx.Module):
         d_model: int,
         n_heads: int,
         *,
+        n_kv_heads: int | None = None,
+        kv_replicated: bool = False,
         axis_name: str = "tp",
         style: str = "megatron",
         rotary: bool = False,
@@ -190,8 +324,13 @@ class ParallelAttention(eqx.Module):
         """**Arguments:**
 
         - `d_model`: the model width.
-        - `n_heads`: the number of heads; divides `d_model`, and must be divisible by
-          the size of the axis.
+        - `n_heads`: the number of query heads; divides `d_model`, and must be divisible
+          by the size of the axis.
+        - `n_kv_heads`: the number of key/value heads, a divisor of `n_heads` (default
+          `n_heads`: multi-head attention; 1: multi-query attention).
+        - `kv_replicated`: store the key/value projection replicated over the axis
+          (`SharedKVLinear`), as an axis with more devices than `n_kv_heads` needs;
+          otherwise it is split over the axis, whose size must then divide `n_kv_heads`.
         - `axis_name`: the tensor-parallel mesh axis.
         - `style`: `"megatron"` or `"sequence"` (see the module documentation).
         - `rotary`: apply rotary position embeddings to queries and keys (needs an even
@@ -205,38 +344,113 @@ class ParallelAttention(eqx.Module):
         name = "ParallelAttention"
         check_positive(name, "d_model", d_model)
         check_positive(name, "n_heads", n_heads)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_positive(name, "n_kv_heads", n_kv_heads)
         _check_style(name, style)
         if d_model % n_heads:
             raise LayerConfigError(f"{name}: n_heads={n_heads} does not divide d_model={d_model}.")
-        if rotary and (d_model // n_heads) % 2:
+        if n_heads % n_kv_heads:
+            raise LayerConfigError(
+                f"{name}: n_kv_heads={n_kv_heads} does not divide n_heads={n_heads}."
+            )
+        head_dim = d_model // n_heads
+        if rotary and head_dim % 2:
             raise LayerConfigError(
                 f"{name}: rotary embeddings need an even head size, got "
-                f"d_model/n_heads = {d_model // n_heads}."
+                f"d_model/n_heads = {head_dim}."
             )
         sp = style == "sequence"
         qkey, pkey = jax.random.split(key)
-        self.qkv = ColumnParallelLinear(
-            d_model, 3 * d_model, axis_name=axis_name, bias=bias, gather_output=False,
-            init_type=init_type, stride=3, sequence_parallel=sp, dtype=dtype, key=qkey,
-        )  # fmt: skip
+        self.qkv = self.q = self.kv = None
+        if n_kv_heads == n_heads:
+            self.qkv = ColumnParallelLinear(
+                d_model, 3 * d_model, axis_name=axis_name, bias=bias, gather_output=False,
+                init_type=init_type, stride=3, sequence_parallel=sp, dtype=dtype, key=qkey,
+            )  # fmt: skip
+        else:
+            # The query and key/value projections draw from the key of the fused one.
+            q_key, kv_key = jax.random.split(qkey)
+            self.q = ColumnParallelLinear(
+                d_model, d_model, axis_name=axis_name, bias=bias, gather_output=False,
+                init_type=init_type, sequence_parallel=sp, dtype=dtype, key=q_key,
+            )  # fmt: skip
+            if kv_replicated:
+                self.kv = SharedKVLinear(
+                    d_model, n_kv_heads, head_dim, axis_name=axis_name, bias=bias,
+                    init_type=init_type, sequence_parallel=sp, dtype=dtype, key=kv_key,
+                )  # fmt: skip
+            else:
+                self.kv = ColumnParallelLinear(
+                    d_model, 2 * n_kv_heads * head_dim, axis_name=axis_name, bias=bias,
+                    gather_output=False, init_type=init_type, stride=2, sequence_parallel=sp,
+                    dtype=dtype, key=kv_key,
+                )  # fmt: skip
         self.proj = RowParallelLinear(
             d_model, d_model, axis_name=axis_name, bias=bias, input_is_parallel=True,
             init_type=init_type, sequence_parallel=sp, dtype=dtype, key=pkey,
         )  # fmt: skip
         self.d_model = d_model
         self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
         self.axis_name = axis_name
         self.style = style
         self.rotary = rotary
         self.rotary_base = rotary_base
 
+    def _check_axis(self, n: int) -> None:
+        name = "ParallelAttention"
+        check_divisible(name, "n_heads", self.n_heads, self.axis_name, n)
+        if isinstance(self.kv, ColumnParallelLinear) and self.n_kv_heads % n:
+            raise LayerConfigError(
+                f"{name}: n_kv_heads={self.n_kv_heads} is not divisible by {n}, the size of "
+                f"mesh axis {self.axis_name!r}; build the layer with kv_replicated=True to "
+                f"replicate the key/value heads over the axis (Megatron's rule)."
+            )
+        if isinstance(self.kv, SharedKVLinear) and n % self.n_kv_heads and self.n_kv_heads % n:
+            raise LayerConfigError(
+                f"{name}: n_kv_heads={self.n_kv_heads} and the size {n} of mesh axis "
+                f"{self.axis_name!r} do not divide one another."
+            )
+
+    def qkv_heads(
+        self, x: Float[Array, "... tokens d_model"]
+    ) -> tuple[Array, Array, Array]:
+        """This device's queries `[..., T, H/n, hd]` and keys, values `[..., T, Hkv_local, hd]`.
+
+        `Hkv_local` is `n_kv_heads / n`, or 1 when the axis outnumbers the key/value
+        heads. No rotary embedding is applied.
+        """
+        n = axis_size(self.axis_name)
+        self._check_axis(n)
+        heads = self.n_heads // n
+        head_dim = self.d_model // self.n_heads
+        if self.qkv is not None:
+            # f32[..., T(/n), D] -> f32[..., T, 3 D/n], ordered (q|k|v, local head, head_dim)
+            qkv = self.qkv(x)
+            qkv = qkv.reshape(*qkv.shape[:-1], 3, heads, head_dim)
+            return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+        assert self.q is not None and self.kv is not None
+        # f32[..., T(/n), D] @ f32[D, D/n] -> f32[..., T, H/n, hd]
+        q = self.q(x)
+        q = q.reshape(*q.shape[:-1], heads, head_dim)
+        # f32[..., T(/n), D] @ f32[D, 2 Hkv_local hd] -> f32[..., T, 2, Hkv_local, hd]
+        kv = self.kv(x)
+        kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
+        return q, kv[..., 0, :, :], kv[..., 1, :, :]
+
     def __call__(
-        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "... tokens d_model"],
+        *,
+        positions: Int[Array, "... seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
         - `x`: `[..., T, d_model]` ("megatron") or this device's `[..., T/n, d_model]`
           ("sequence").
+        - `positions`: the integer positions of the `T` tokens, `[T]` or `[..., T]`
+          (for rotary embeddings and the causal mask); default `0, ..., T - 1`.
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
 
@@ -244,20 +458,13 @@ class ParallelAttention(eqx.Module):
 
         The attention output, laid out like `x`.
         """
-        n = axis_size(self.axis_name)
-        check_divisible("ParallelAttention", "n_heads", self.n_heads, self.axis_name, n)
-        heads = self.n_heads // n
-        head_dim = self.d_model // self.n_heads
-        # f32[..., T(/n), D] -> f32[..., T, 3 D/n], ordered (q|k|v, local head, head_dim)
-        qkv = self.qkv(x)
-        qkv = qkv.reshape(*qkv.shape[:-1], 3, heads, head_dim)
-        q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+        q, k, v = self.qkv_heads(x)
         if self.rotary:
-            q = rotary_embedding(q, self.rotary_base)
-            k = rotary_embedding(k, self.rotary_base)
-        # f32[..., T, H/n, hd] -> f32[..., T, D/n]
-        out = causal_attention(q, k, v)
-        out = out.reshape(*out.shape[:-2], heads * head_dim)
+            q = rotary_embedding(q, self.rotary_base, positions=positions)
+            k = rotary_embedding(k, self.rotary_base, positions=positions)
+        # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
+        out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+        out = out.reshape(*out.shape[:-2], -1)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return self.proj(out)
 
@@ -376,6 +583,8 @@ class TransformerBlock(eqx.Module):
         n_heads: int,
         d_ff: int,
         *,
+        n_kv_heads: int | None = None,
+        kv_replicated: bool = False,
         axis_name: str = "tp",
         style: str = "megatron",
         rotary: bool = False,
@@ -393,6 +602,8 @@ class TransformerBlock(eqx.Module):
 
         - `d_model`: the model width.
         - `n_heads`: the number of attention heads (divisible by the axis size).
+        - `n_kv_heads`, `kv_replicated`: grouped-query attention's key/value heads and
+          their storage (see `ParallelAttention`).
         - `d_ff`: the MLP's hidden width (divisible by the axis size); unused with `moe`.
         - `axis_name`: the tensor-parallel mesh axis.
         - `style`: `"megatron"` (activations replicated over the axis) or `"sequence"`
@@ -417,7 +628,7 @@ class TransformerBlock(eqx.Module):
         akey, mkey = jax.random.split(key)
         self.norm1 = RMSNorm(d_model, eps=eps, dtype=dtype)
         self.attn = ParallelAttention(
-            d_model, n_heads, axis_name=axis_name, style=style, rotary=rotary,
+            d_model, n_heads, n_kv_heads=n_kv_heads, kv_replicated=kv_replicated, axis_name=axis_name, style=style, rotary=rotary,
             rotary_base=rotary_base, bias=bias, init_type=init_type, dtype=dtype, key=akey,
         )  # fmt: skip
         self.norm2 = RMSNorm(d_model, eps=eps, dtype=dtype)
@@ -429,12 +640,17 @@ class TransformerBlock(eqx.Module):
         self.axis_name = axis_name
 
     def __call__(
-        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "... tokens d_model"],
+        *,
+        positions: Int[Array, "... seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
         - `x`: `[..., T, d_model]` ("megatron", replicated over the axis) or this
           device's `[..., T/n, d_model]` ("sequence").
+        - `positions`: the tokens' integer positions (see `ParallelAttention`).
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
 
@@ -452,23 +668,27 @@ class TransformerBlock(eqx.Module):
                 "TransformerBlock: this block's feed-forward layer is an MoE, whose "
                 "auxiliary losses a plain call would drop; call block.call_with_aux(x)."
             )
-        return self.call_with_aux(x)[0]
+        return self.call_with_aux(x, positions=positions)[0]
 
     def call_with_aux(
-        self, x: Float[Array, "... tokens d_model"]
+        self,
+        x: Float[Array, "... tokens d_model"],
+        *,
+        positions: Int[Array, "... seq"] | None = None,
     ) -> tuple[Float[Array, "... tokens d_model"], MoEAux | None]:
         """The block's output and, with an MoE layer, its `MoEAux` (else `None`).
 
         **Arguments:**
 
         - `x`: as for `__call__` (`[batch, seq/ep, d_model]` with an MoE layer).
+        - `positions`: as for `__call__`.
 
         **Returns:**
 
         `(y, aux)`: the block's output laid out like `x`, and the MoE layer's
         auxiliary losses and statistics or `None`.
         """
-        x = x + self.attn(self.norm1(x))
+        x = x + self.attn(self.norm1(x), positions=positions)
         h = self.norm2(x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)
