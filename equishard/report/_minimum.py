@@ -591,12 +591,12 @@ def _scalar_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
             )
         )
     # The non-finite guard over the update: each device checks its blocks, one int32
-    # all-reduce over the whole mesh combines the verdicts.
-    every = tuple(a for a in s.sizes if s.sizes[a] > 1)
-    if every:
-        value = 2 * _ring(s.size(every)) * F32
+    # all-reduce over the axes some parameter is split over combines the verdicts.
+    split = tuple(a for a in s.sizes if s.sizes[a] > 1 and any(a in spec_axes(r.spec) for r in rows))
+    if split:
+        value = 2 * _ring(s.size(split)) * F32
         terms.append(
-            Term("scalars: non-finite update check", "all-reduce", every, s.size(every), "2(n-1)/n · 4 B", value, value)
+            Term("scalars: non-finite update check", "all-reduce", split, s.size(split), "2(n-1)/n · 4 B", value, value)
         )
     return terms
 

@@ -190,29 +190,38 @@ def _invariant_over(tree: PyTree, axes: tuple[str, ...]) -> bool:
 
 
 def _where(pred: Array, new: PyTree, old: PyTree) -> PyTree:
+    # `lax.select` with the scalar predicate: one primitive per array (`jnp.where`
+    # would stage a nested function per array).
     return jax.tree.map(
-        lambda a, b: jnp.where(pred, a, b) if eqx.is_array(a) else a, new, old
+        lambda a, b: jax.lax.select(pred, a, b) if eqx.is_array(a) else a, new, old
     )
 
 
 def _all_finite(mesh: Mesh) -> Callable[[PyTree], Array]:
     """`all_finite(tree) -> bool[]` on global arrays: whether every float is finite.
 
-    Each device checks its blocks; one 4-byte all-reduce over the whole mesh combines
-    the verdicts (a reduction per array, as XLA would insert for `jnp.isfinite` on the
-    global arrays, costs a scalar per array).
+    Each device checks its blocks; one 4-byte all-reduce over the axes some array is
+    split over combines the verdicts (a reduction per array, as XLA would insert for
+    `jnp.isfinite` on the global arrays, costs a scalar per array). An axis no array
+    is split over needs none: its devices hold the same blocks and reach the same
+    verdict, so a data-parallel step checks without communicating.
     """
     axes = tuple(mesh.axis_names)
 
     def local(tree: PyTree) -> Array:
+        leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
         finite = jnp.ones((), jnp.bool_)
-        for x in jax.tree.leaves(tree):
-            if eqx.is_inexact_array(x):
-                finite = finite & jnp.all(jnp.isfinite(x))
+        for x in leaves:
+            finite = finite & jnp.all(jnp.isfinite(x))
         bad = (~finite).astype(jnp.int32)
-        if vma_checked(axes):  # psum needs a value typed as varying over its axes
-            bad = cast_varying(bad, axes)
-        return jax.lax.psum(bad, axes) == 0
+        if vma_checked(axes):  # the blocks' types say which axes they are split over
+            split = mesh_ordered(frozenset().union(*(varying_axes(x) for x in leaves)))
+            if not split:
+                return bad == 0
+            bad = cast_varying(bad, split)
+        else:
+            split = axes
+        return jax.lax.psum(bad, split) == 0
 
     return filter_shard_map(local, mesh=mesh, out_specs=P())
 
