@@ -192,12 +192,18 @@ def test_a_directory_that_is_a_file_is_refused(tmp_path):
 
 def _as_nobody(script, *args):
     """Run `script` in a child that imports equishard as root, then drops to `nobody`
-    (tests run as root, which may write into a read-only directory)."""
+    (tests run as root, which may write into a read-only directory).
+
+    Every module of equishard is imported before the drop: the checkout (and a venv
+    inside it) may sit in a directory only root can read."""
     prologue = textwrap.dedent(
         """
-        import os, sys
+        import importlib, os, pkgutil, sys
         os.environ["JAX_PLATFORMS"] = "cpu"
-        import equishard.train._checkpoint
+        import equishard
+        for module in pkgutil.walk_packages(equishard.__path__, "equishard."):
+            if not module.name.endswith("__main__"):
+                importlib.import_module(module.name)
         from equishard._app import load_stdlib_corpus
         load_stdlib_corpus()  # cached: the interpreter's files are root's here
         if os.geteuid() == 0:
