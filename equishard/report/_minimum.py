@@ -81,17 +81,15 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 from jax.sharding import AbstractMesh
 
-from .._axes import local_shape
 from .._text import human_bytes, text_table
 from ..core import expert_capacity
 from ..models import GPT, GPTConfig
 from ..models._gpt import canonical_path
 from ..nn import RMSNorm
-from ..sharding import Layout, ParamRow, is_sharded, path_str
-from ..sharding._specs import leaves_with_specs, spec_axes
+from ..sharding import Layout, ParamRow, is_sharded, param_table, path_str
+from ..sharding._specs import spec_axes
 
 __all__ = [
     "Minimum",
@@ -631,23 +629,7 @@ def _abstract_gpt(config: GPTConfig, layout: Layout, num_devices: int | None) ->
 
 def _param_rows(tree: Any, sizes: Mapping[str, int]) -> list[ParamRow]:
     """`equishard.param_table` for a mesh known only by its axis sizes."""
-    rows = []
-    for path, value, spec in leaves_with_specs(tree):
-        shape = tuple(value.shape)
-        local = local_shape(shape, spec, sizes)
-        itemsize = np.dtype(value.dtype).itemsize
-        rows.append(
-            ParamRow(
-                path=path,
-                shape=shape,
-                dtype=np.dtype(value.dtype).name,
-                spec=spec,
-                local_shape=tuple(local),
-                bytes_per_device=math.prod(local) * itemsize,
-                total_bytes=math.prod(shape) * itemsize,
-            )
-        )
-    return rows
+    return param_table(tree, AbstractMesh(tuple(sizes.values()), tuple(sizes)))
 
 
 def _layout_size(layout: Layout) -> int:

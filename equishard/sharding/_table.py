@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._axes import local_shape
@@ -38,13 +38,14 @@ class ParamRow:
     total_bytes: int
 
 
-def param_table(tree: PyTree, mesh: Mesh) -> list[ParamRow]:
+def param_table(tree: PyTree, mesh: Mesh | AbstractMesh) -> list[ParamRow]:
     """One `ParamRow` per array of `tree`, in tree order.
 
     **Arguments:**
 
     - `tree`: a model, optimizer state or any pytree (arrays or `jax.ShapeDtypeStruct`s).
-    - `mesh`: the mesh it is (or will be) placed on.
+    - `mesh`: the mesh it is (or will be) placed on; a `jax.sharding.AbstractMesh`
+      (axis names and sizes, no devices) does as well.
 
     **Returns:**
 
