@@ -13,7 +13,10 @@ any program can do the same. It is how a multi-host run is tested on one machine
 processes share no memory and talk through gloo over TCP, exactly as hosts would.
 
 Each line the processes print is prefixed with their id (`[0] ...`, `[1] ...`; stdout
-to stdout, stderr to stderr). If one process fails (a non-zero exit or a signal), or
+to stdout, stderr to stderr), whole: two processes' lines never interleave, whichever
+streams they come on. Gloo's "Rank N is connected to M peer ranks" notices (one per
+process and peer, written by its C++ runtime, sometimes into the middle of another line)
+are dropped. If one process fails (a non-zero exit or a signal), or
 the launcher itself gets SIGINT or SIGTERM, the others are stopped: SIGTERM to each
 one's process group, then SIGKILL after a grace period (`--grace`, 5 s). JAX's
 distributed runtime catches SIGTERM as a preemption notice (a program may poll
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,6 +49,10 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 _POLL_SECONDS = 0.05
+# Gloo's connection notice, written once per process and peer by its C++ runtime.
+_GLOO_NOTICE = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n"
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,13 +80,14 @@ def child_command(command: Sequence[str]) -> list[str]:
 
     **Returns:**
 
-    `[sys.executable, "-m", "equishard", ...]` if the command is `equishard ...` (so
-    the processes use the same interpreter and installation as the launcher), else the
-    command unchanged.
+    `[sys.executable, "-P", "-m", "equishard", ...]` if the command is `equishard ...`
+    (so the processes use the same interpreter and installation as the launcher; `-P`
+    keeps the working directory off `sys.path`, as the `equishard` script does, so a
+    `numpy.py` there is not imported), else the command unchanged.
     """
     command = list(command)
     if command and command[0] == "equishard":
-        return [sys.executable, "-m", "equishard", *command[1:]]
+        return [sys.executable, "-P", "-m", "equishard", *command[1:]]
     return command
 
 
@@ -95,11 +104,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def _without_gloo_notices(text: bytes) -> bytes:
+    """`text` without Gloo's connection notices, also where its threads wrote one into
+    the middle of another (cut repeatedly until none is left)."""
+    count = 1
+    while count:
+        text, count = _GLOO_NOTICE.subn(b"", text)
+    return text
+
+
 class _Pump(threading.Thread):
     """Copy a child's output stream to ours, each line prefixed with the child's id.
 
     Lines end at `\\n` or `\\r` (a progress bar redraws its line with `\\r`), so a
-    redrawn line is prefixed too.
+    redrawn line is prefixed too. Each is written whole under a lock that every pump
+    shares, so no two lines interleave. Gloo's connection notices are cut out first,
+    even from the middle of another line.
     """
 
     def __init__(self, source: IO[bytes], sink: IO[bytes], prefix: bytes, lock: threading.Lock):
@@ -115,7 +135,7 @@ class _Pump(threading.Thread):
         pending = b""
         fd = self._source.fileno()
         while chunk := os.read(fd, 65536):
-            pending += chunk
+            pending = _without_gloo_notices(pending + chunk)
             start = 0
             for i, byte in enumerate(pending):
                 if byte in b"\n\r":
@@ -175,7 +195,9 @@ class Launcher:
         self.stderr = sys.stderr.buffer if stderr is None else stderr
         self.processes: list[subprocess.Popen[bytes]] = []
         self._pumps: list[_Pump] = []
-        self._locks = (threading.Lock(), threading.Lock())
+        # One lock for both streams: a terminal shows stdout and stderr as one.
+        lock = threading.Lock()
+        self._locks = (lock, lock)
         self._received: int | None = None
 
     def _say(self, text: str) -> None:

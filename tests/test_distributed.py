@@ -208,6 +208,7 @@ def test_two_processes_train_like_one_and_listen_on_loopback(reference, tmp_path
     print(f"\n2 processes x 4 devices: {seconds:.0f} s, worst relative loss difference {worst:.1e}")
     text = log.read_text()
     assert "[0] done: 10 steps" in text and "[1] done:" not in text  # process 0 prints
+    assert "Gloo" not in text  # gloo's connection notices are dropped
     assert (run_dir / "model.eqx").is_file()
 
     # The checkpoint the two processes wrote restores in this single process.
@@ -315,6 +316,44 @@ else:
 """
 
 
+_CHATTY = """
+import os, sys, time
+me = os.environ["EQUISHARD_PROCESS_ID"]
+gloo = "[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n"
+for i in range(30):
+    for stream in (sys.stdout, sys.stderr):
+        stream.write(f"{me}-{i}-")  # half a line, then a pause: another process may write
+        stream.flush()
+        if i % 3 == 0:  # gloo's threads write into the middle of lines, and of each other
+            notice = gloo.format(me)
+            stream.write(notice[:12] + gloo.format(1 - int(me)) + notice[12:])
+            stream.flush()
+        time.sleep(0.002)
+        stream.write("x" * 40 + "\\n")
+        stream.flush()
+"""
+
+
+def test_launcher_lines_are_whole_and_gloo_notices_dropped(tmp_path):
+    log = tmp_path / "launch.log"  # the launcher's stdout and stderr, as on a terminal
+    assert _launch(log, sys.executable, "-c", _CHATTY).wait(timeout=60) == 0
+    lines = [line for line in log.read_text().splitlines() if not line.startswith("equishard launch:")]
+    want = sorted(f"[{p}] {p}-{i}-{'x' * 40}" for p in (0, 1) for i in range(30) for _ in range(2))
+    assert sorted(lines) == want
+
+
+def test_launched_equishard_ignores_a_numpy_py_in_the_working_directory(tmp_path):
+    marker = tmp_path / "executed"
+    (tmp_path / "numpy.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(9)\n")
+    # `-P`: the launcher as the `equishard` script runs it, without the directory on sys.path.
+    argv = [sys.executable, "-P", "-m", "equishard", "launch", "-n", "2", "--devices", "2", "--",
+            "equishard", "train", "--help"]  # fmt: skip
+    done = subprocess.run(argv, env=_env(), cwd=tmp_path, capture_output=True, timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert b"[0] usage: equishard train" in done.stdout and b"[1] usage: equishard train" in done.stdout
+    assert not marker.exists()
+
+
 def test_launcher_stops_everything_when_one_process_fails(tmp_path):
     log, flag = tmp_path / "launch.log", tmp_path / "pids"
     # Process 0 would sleep 600 s: the launcher must stop it, not wait for it.
@@ -367,7 +406,7 @@ def test_launch_usage_errors(argv, message, capsys):
 
 
 def test_equishard_children_use_the_launchers_python():
-    assert child_command(["equishard", "train"]) == [sys.executable, "-m", "equishard", "train"]
+    assert child_command(["equishard", "train"]) == [sys.executable, "-P", "-m", "equishard", "train"]
     assert child_command(["./my_script.py", "-x"]) == ["./my_script.py", "-x"]
 
 
