@@ -214,9 +214,8 @@ def _add_layout_options(p: argparse.ArgumentParser) -> None:
 
 def _model_names() -> list[str]:
     from .models import PRESETS
-    from .report import PLAN_PRESETS
 
-    return [*PRESETS, *PLAN_PRESETS]
+    return list(PRESETS)
 
 
 def add_report_parsers(sub: Any) -> None:

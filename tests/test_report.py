@@ -314,7 +314,7 @@ def test_inspect_prints_the_report_of_a_pipeline(capsys):
 def test_plan_llama_70b_on_2048_devices():
     """A 70B model on 2048 devices, in a fresh process: state bytes as analysed."""
     out = subprocess.run(
-        [sys.executable, "-m", "equishard", "plan", "--model", "llama-70b", "--layout", "fsdp=256,tp=8", "--devices", "2048"],
+        [sys.executable, "-m", "equishard", "plan", "--model", "llama3-70b", "--layout", "fsdp=256,tp=8", "--devices", "2048"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
@@ -324,3 +324,31 @@ def test_plan_llama_70b_on_2048_devices():
     assert abs(ratio - 1) < 0.05
     assert re.search(r"collectives: .* \(ratio 1\.000\)", out.stdout)
     assert "fits (an estimate" in out.stdout and "Parameters:" in out.stdout
+
+
+@pytest.mark.parametrize("name, billions", [("llama2-7b", 6.74), ("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3-405b", 405.85)])
+def test_llama_presets_have_the_published_parameter_counts(name, billions):
+    """Grouped-query attention (8 key/value heads), vocabulary 128,256, the FFN widths."""
+    model = eqx.filter_eval_shape(lambda: es.models.GPT(PRESETS[name], key=jax.random.key(0)))
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
+    assert abs(count / 1e9 - billions) < 0.005, (name, count)
+
+
+def test_plan_llama3_405b_reports_its_parameters(capsys):
+    assert main(["plan", "--model", "llama3-405b", "--layout", "fsdp=8", "--devices", "8", "--seq-len", "128"]) == 0
+    found = re.search(r"llama3-405b: [\d,.]+ M parameters \(([\d.]+) B\)", capsys.readouterr().out)
+    assert found is not None and 405.8 <= float(found.group(1)) <= 405.9
+
+
+def test_every_command_knows_the_same_presets():
+    import argparse
+
+    from equishard._cli_report import _model_names
+
+    parser = argparse.ArgumentParser()
+    from equishard._cli import _add_train
+
+    _add_train(parser.add_subparsers())
+    train = next(a for a in parser._subparsers._group_actions[0].choices["train"]._actions if a.dest == "model")  # pyright: ignore
+    assert sorted(train.choices) == sorted(_model_names()) == sorted(PRESETS)
+    assert {"llama3-8b", "llama3-70b", "llama3-405b"} <= set(PRESETS) and not any(n.startswith("llama-") for n in PRESETS)

@@ -93,8 +93,28 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(),
     "small-moe": GPTConfig(moe_every=2, num_experts=8, top_k=2, d_ff=256),
     "base": GPTConfig(d_model=384, n_heads=6, n_layers=8, d_ff=1024),
+    # GPT-2 small: vocabulary padded from 50257 to 50304 (as nanoGPT does) so that it
+    # divides a tensor axis; a SwiGLU MLP of 2048 = 2/3 x 4 d_model keeps GPT-2's MLP
+    # parameter count; tied embeddings. 124 M parameters.
+    "gpt2-small": GPTConfig(vocab_size=50304, d_model=768, n_heads=12, n_layers=12, d_ff=2048, tied=True),
+    # Llama 2 7B (multi-head attention): 6.74 B parameters.
+    "llama2-7b": GPTConfig(vocab_size=32000, d_model=4096, n_heads=32, n_layers=32, d_ff=11008),
+    # Llama 3 / 3.1 (grouped-query attention with 8 key/value heads, vocabulary 128,256,
+    # rotary base 500,000, untied head): 8.03 B, 70.55 B and 405.85 B parameters.
+    "llama3-8b": GPTConfig(
+        vocab_size=128256, d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32, d_ff=14336,
+        rotary_base=500000.0,
+    ),
+    "llama3-70b": GPTConfig(
+        vocab_size=128256, d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80, d_ff=28672,
+        rotary_base=500000.0,
+    ),
+    "llama3-405b": GPTConfig(
+        vocab_size=128256, d_model=16384, n_heads=128, n_kv_heads=8, n_layers=126, d_ff=53248,
+        rotary_base=500000.0,
+    ),
 }
-"""Size presets of the reference GPT (`equishard train --model NAME`)."""
+"""Size presets of the reference GPT, the same names for every command (`equishard train`, `inspect` and `plan --model NAME`)."""
 
 
 class MoEAuxSum(eqx.Module):

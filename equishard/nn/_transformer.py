@@ -370,20 +370,20 @@ class ParallelAttention(eqx.Module):
         else:
             # The query and key/value projections draw from the key of the fused one.
             q_key, kv_key = jax.random.split(qkey)
+            # Both read the input the layer gathers (or copies in) once (`qkv_heads`).
             self.q = ColumnParallelLinear(
                 d_model, d_model, axis_name=axis_name, bias=bias, gather_output=False,
-                init_type=init_type, sequence_parallel=sp, dtype=dtype, key=q_key,
+                init_type=init_type, dtype=dtype, key=q_key,
             )  # fmt: skip
             if kv_replicated:
                 self.kv = SharedKVLinear(
                     d_model, n_kv_heads, head_dim, axis_name=axis_name, bias=bias,
-                    init_type=init_type, sequence_parallel=sp, dtype=dtype, key=kv_key,
+                    init_type=init_type, dtype=dtype, key=kv_key,
                 )  # fmt: skip
             else:
                 self.kv = ColumnParallelLinear(
                     d_model, 2 * n_kv_heads * head_dim, axis_name=axis_name, bias=bias,
-                    gather_output=False, init_type=init_type, stride=2, sequence_parallel=sp,
-                    dtype=dtype, key=kv_key,
+                    gather_output=False, init_type=init_type, stride=2, dtype=dtype, key=kv_key,
                 )  # fmt: skip
         self.proj = RowParallelLinear(
             d_model, d_model, axis_name=axis_name, bias=bias, input_is_parallel=True,
@@ -430,10 +430,17 @@ class ParallelAttention(eqx.Module):
             qkv = qkv.reshape(*qkv.shape[:-1], 3, heads, head_dim)
             return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
         assert self.q is not None and self.kv is not None
-        # f32[..., T(/n), D] @ f32[D, D/n] -> f32[..., T, H/n, hd]
+        if is_bound(self.axis_name):
+            # One gather (or copy) of the input for both projections: its gradient is
+            # then reduced once, not once per projection.
+            if self.style == "sequence":
+                x = gather_tokens(x, self.axis_name)  # f32[..., T/n, D] -> f32[..., T, D]
+            else:
+                x = mp_copy(x, axis_name=self.axis_name)
+        # f32[..., T, D] @ f32[D, D/n] -> f32[..., T, H/n, hd]
         q = self.q(x)
         q = q.reshape(*q.shape[:-1], heads, head_dim)
-        # f32[..., T(/n), D] @ f32[D, 2 Hkv_local hd] -> f32[..., T, 2, Hkv_local, hd]
+        # f32[..., T, D] @ f32[D, 2 Hkv_local hd] -> f32[..., T, 2, Hkv_local, hd]
         kv = self.kv(x)
         kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]

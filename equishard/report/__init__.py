@@ -20,7 +20,6 @@ from ._flops import (
     mfu as mfu,
 )
 from ._gpt import (
-    PLAN_PRESETS as PLAN_PRESETS,
     AbstractStep as AbstractStep,
     abstract_train_step as abstract_train_step,
     check_gpt_layout as check_gpt_layout,

@@ -5,8 +5,7 @@ layout, the optimizer it is given, global-norm clipping, `make_train_step` — f
 of any size, with the parameters and optimizer state only as
 `jax.ShapeDtypeStruct`s carrying their shardings, and lowers it. Nothing is allocated or
 run, so a 2048-device mesh of a 70B-parameter model compiles on a laptop's simulated
-CPU devices. `gpt_report` compiles it and reads the report; `PLAN_PRESETS` are the
-sizes `equishard plan` knows beside the training presets.
+CPU devices. `gpt_report` compiles it and reads the report.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from ._minimum import gpt_minimum, state_bytes
 from ._report import StepReport, report
 
 __all__ = [
-    "PLAN_PRESETS",
     "AbstractStep",
     "abstract_train_step",
     "check_gpt_layout",
@@ -39,33 +37,16 @@ __all__ = [
     "preset",
 ]
 
-PLAN_PRESETS: dict[str, GPTConfig] = {
-    # GPT-2 small: vocabulary padded from 50257 to 50304 (as nanoGPT does) so that it
-    # divides a tensor axis; a SwiGLU MLP of 2048 = 2/3 x 4 d_model keeps GPT-2's MLP
-    # parameter count; tied embeddings. 124 M parameters.
-    "gpt2-small": GPTConfig(vocab_size=50304, d_model=768, n_heads=12, n_layers=12, d_ff=2048, tied=True),
-    # Llama-style (SwiGLU, RMSNorm, rotary, untied head), with full multi-head attention
-    # (the reference GPT has no grouped-query attention): Llama-2 7B's dimensions
-    # (6.7 B parameters), Llama-3 70B's and 405B's (80 B and 456 B parameters with
-    # full-width keys and values).
-    "llama-7b": GPTConfig(vocab_size=32000, d_model=4096, n_heads=32, n_layers=32, d_ff=11008),
-    "llama-70b": GPTConfig(vocab_size=128256, d_model=8192, n_heads=64, n_layers=80, d_ff=28672),
-    "llama-405b": GPTConfig(vocab_size=128256, d_model=16384, n_heads=128, n_layers=126, d_ff=53248),
-}
-"""Model sizes for `equishard plan` (besides `equishard.models.PRESETS`)."""
-
-
 def preset(name: str) -> GPTConfig:
-    """The `GPTConfig` of a preset name from `PLAN_PRESETS` or `equishard.models.PRESETS`.
+    """The `GPTConfig` of a preset name from `equishard.models.PRESETS`.
 
     **Raises:**
 
     `LayerConfigError` naming the known presets.
     """
-    known = {**PRESETS, **PLAN_PRESETS}
-    if name not in known:
-        raise LayerConfigError(f"unknown model preset {name!r}; choose one of {', '.join(known)}.")
-    return known[name]
+    if name not in PRESETS:
+        raise LayerConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}.")
+    return PRESETS[name]
 
 
 def _num_microbatches(layout: Layout, num_devices: int) -> int:
@@ -266,8 +247,12 @@ def gpt_report(
     )  # fmt: skip
     parameters = sum(math.prod(r.shape) for r in rows)
     description = (
-        f"{name or 'GPT'}: {parameters / 1e6:,.1f} M parameters (d_model {config.d_model}, "
-        f"{config.n_layers} layers, {config.n_heads} heads, d_ff {config.d_ff}, vocabulary "
+        f"{name or 'GPT'}: {parameters / 1e6:,.1f} M parameters"
+        + (f" ({parameters / 1e9:.2f} B)" if parameters >= 1e9 else "")
+        + f" (d_model {config.d_model}, "
+        f"{config.n_layers} layers, {config.n_heads} heads"
+        + (f" ({config.n_kv_heads} key/value)" if config.n_kv_heads not in (None, config.n_heads) else "")
+        + f", d_ff {config.d_ff}, vocabulary "
         f"{config.vocab_size}); layout {layout.spec} on {step.mesh.devices.size} "
         f"{step.mesh.devices.flat[0].platform.upper()} devices; batch {batch_size} x "
         f"{seq_len} tokens; float32"
