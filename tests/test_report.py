@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard._cli import main
 from equishard._cli_report import parse_bytes
-from equishard.models import PRESETS
+from equishard.models import GPT, PRESETS
 from equishard.nn import FSDP, TransformerBlock
 from equishard.report import (
     axes_of_groups,
@@ -329,7 +329,7 @@ def test_plan_llama_70b_on_2048_devices():
 @pytest.mark.parametrize("name, billions", [("llama2-7b", 6.74), ("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3-405b", 405.85)])
 def test_llama_presets_have_the_published_parameter_counts(name, billions):
     """Grouped-query attention (8 key/value heads), vocabulary 128,256, the FFN widths."""
-    model = eqx.filter_eval_shape(lambda: es.models.GPT(PRESETS[name], key=jax.random.key(0)))
+    model = eqx.filter_eval_shape(lambda: GPT(PRESETS[name], key=jax.random.key(0)))
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
     assert abs(count / 1e9 - billions) < 0.005, (name, count)
 
