@@ -475,3 +475,42 @@ def test_parallelize_multihead_attention_first_class():
     assert type(back.attn) is eqx.nn.MultiheadAttention and back.attn.num_heads == 4
     with pytest.raises(es.LayerConfigError, match="dropout_p=0.1"):
         es.parallelize(Holder(eqx.nn.MultiheadAttention(4, 16, dropout_p=0.1, key=jax.random.key(0))), {"attn": "heads"}, mesh)
+
+
+def test_unbox_of_gather_gives_plain_one_device_layers():
+    """Every equishard layer and wrapper, gathered and unboxed, computes on one device
+    what it computes with its boxes; parallel layers made by `parallelize` come back as
+    Equinox's own classes, a pipeline as the `eqx.nn.Sequential` of its layers."""
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (2, 8, 16))
+    ids = jnp.arange(16).reshape(2, 8)
+    nn = es.nn
+    layers = [
+        (nn.ColumnParallelLinear(16, 24, stride=3, lora_rank=2, key=key), x),
+        (nn.RowParallelLinear(16, 32, key=key), x),
+        (nn.ParallelEmbedding(16, 32, partition="vocab", lora_rank=2, padding_idx=0, key=key), ids),
+        (nn.TransformerBlock(16, 4, 32, key=key), x),
+        (nn.MoE(16, 32, 4, 2, group_size=8, key=key), x),
+        (nn.FSDP(nn.TransformerBlock(16, 4, 32, key=key), "fsdp", mesh=es.make_mesh("fsdp=8"), min_weight_size=1), x),
+    ]
+    for layer, inputs in layers:
+        plain = es.unbox(es.gather(layer))
+        assert not any(es.is_sharded(leaf) for leaf in jax.tree.leaves(plain, is_leaf=es.is_sharded))
+        call = eqx.filter_jit(lambda m, a: m(a))
+        want, got = call(layer, inputs), call(plain, inputs)
+        assert rel_err(jax.tree.leaves(got)[0], jax.tree.leaves(want)[0]) <= 1e-6, type(layer).__name__
+
+    # A pipeline over pp=2: its one-device model is its layers in order.
+    mesh = es.make_mesh("dp=2,pp=2,tp=2")
+    pipe = es.sharded_init(
+        lambda k: nn.PipelineModule(lambda kk: nn.TransformerBlock(16, 4, 32, key=kk), "pp", 2, num_layers=4, num_stages=2, key=k),
+        key,
+        mesh=mesh,
+    )
+    run = es.filter_shard_map(
+        lambda p, h: es.core.from_last_stage(p(h), "pp"), mesh=mesh, in_specs=(None, P("dp")), out_specs=P("dp")
+    )
+    xs = jax.random.normal(key, (8, 4, 16))
+    plain = es.unbox(es.gather(pipe))
+    assert isinstance(plain, eqx.nn.Sequential) and len(plain.layers) == 4
+    assert rel_err(plain(xs), run(pipe, xs)) <= 1e-5

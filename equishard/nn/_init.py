@@ -20,6 +20,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._axes import axis_size as axis_size
 from .._errors import LayerConfigError
+from ..sharding import Sharded
 
 InitType = Literal[
     "orthogonal",
@@ -275,8 +276,13 @@ def scale_init(init_fn: Callable[..., Array], scale_factor: float = 1.0) -> Call
 
 
 def value_of(box: Any) -> Array:
-    """The array a `Sharded` box holds, typed as an `Array` (for the type checker)."""
-    return box.value
+    """The array a `Sharded` box holds, typed as an `Array` (for the type checker).
+
+    A plain array is its own value: a layer given plain arrays by `equishard.unbox`
+    (a one-device copy after `equishard.gather`) computes as with its boxes.
+    """
+    value: Any = box.value if isinstance(box, Sharded) else box
+    return value
 
 
 def check_local_weight(

@@ -283,10 +283,10 @@ class MoE(eqx.Module):
             ("w_in", self.w_in, (local_experts, self.hidden, self.ffn)),
             ("w_out", self.w_out, (local_experts, self.ffn, self.hidden)),
         ):
-            shape = tuple(jnp.shape(box.value))
+            shape = tuple(jnp.shape(value_of(box)))
             if shape != want:
                 raise SpecError(
-                    f"{name}: local {field} has shape {shape} with spec {box.spec}, expected "
+                    f"{name}: local {field} has shape {shape} with spec {getattr(box, 'spec', None)}, expected "
                     f"{want} ({self.num_experts} experts split {n} ways over {ep_axis!r})."
                 )
         varying = varying_axes(x)
@@ -352,7 +352,7 @@ class MoE(eqx.Module):
         e_total, k = self.num_experts, self.top_k
 
         flat = x.reshape(tokens, dim)  # f32[N, D], N = B/dp * T/ep
-        gate = jnp.asarray(self.gate.value)
+        gate = value_of(self.gate)
         # f32[T, D] @ f32[D, E] -> f32[T, E], routed in float32
         logits = flat.astype(jnp.float32) @ gate.astype(jnp.float32)
         weights, experts = top_k_router(logits, k, softmax_over=self.softmax_over)  # [T, k]
@@ -362,7 +362,7 @@ class MoE(eqx.Module):
         )
 
         # f32[E/n, D, F], f32[E/n, F, D]
-        w_in, w_out = jnp.asarray(self.w_in.value), jnp.asarray(self.w_out.value)
+        w_in, w_out = value_of(self.w_in), value_of(self.w_out)
         if self.dispatch == "dense":
             # f32[G, g, D] -> f32[E/n, n*G, C, D]
             buffer = dense_dispatch(

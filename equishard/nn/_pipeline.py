@@ -137,6 +137,12 @@ class PipelineModule(eqx.Module):
         position = {layer: p for p, layer in enumerate(order)}
         return [self._layer(position[layer]) for layer in range(self.num_layers)]
 
+    def __unbox__(self) -> eqx.nn.Sequential:
+        """The layers in model order as an `eqx.nn.Sequential` (a one-device model), for
+        `equishard.unbox`: `unbox(gather(pipe))(x)` is the unsharded model. Extra call
+        arguments of the pipeline are not carried: call `unstack()`'s layers for those."""
+        return eqx.nn.Sequential(self.unstack())
+
     def __call__(self, x: Array, *args: Any, **kwargs: Any) -> Array:
         """Run the pipeline on this device's batch (local view, inside `shard_map`).
 

@@ -146,9 +146,14 @@ def unbox(tree: PyTree) -> PyTree:
 
     **Returns:**
 
-    The same pytree with each box replaced by its `value`, and each wrapper that
-    defines `__unbox__` (`equishard.nn.FSDP`) replaced by the plain module it wraps:
-    `unbox(gather(model))` of an FSDP-wrapped model is the model as it was written.
+    The same pytree with each box replaced by its `value`, and each module that
+    defines `__unbox__` replaced by the plain module it stands for: an
+    `equishard.nn.FSDP` unit by the module it wraps, a `PipelineModule` by the
+    `eqx.nn.Sequential` of its layers, the layers `equishard.parallelize` made by the
+    `eqx.nn.Linear`, `eqx.nn.Embedding`, `eqx.nn.Dropout` and attention classes they
+    were made from. equishard's other layers keep their class and compute with plain
+    arrays as with boxes. So `unbox(gather(model))` is a model a plain Equinox user
+    calls on one device (see the "Your own model" guide).
     """
 
     def opens(x: Any) -> bool:
