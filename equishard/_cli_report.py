@@ -71,7 +71,8 @@ def _compile_report(args: argparse.Namespace, num_devices: int) -> tuple[Any, di
     from ._app import TrainConfig, make_optimizer
     from .report import gpt_report, preset
 
-    config = preset(args.model)  # an unknown preset fails before JAX starts
+    # An unknown preset fails before JAX starts.
+    config = dataclasses.replace(preset(args.model), remat=args.remat, remat_offload=args.remat_offload)
     layout = _layout(args)
     layout.axes(num_devices)  # a malformed layout too
     devices = _cpu_devices(num_devices)
@@ -206,6 +207,22 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_remat_options(p: argparse.ArgumentParser) -> None:
+    """`--remat` and `--remat-offload` (the reference GPT's `remat`, `remat_offload`)."""
+    from .nn._remat import REMAT_POLICIES
+
+    p.add_argument(
+        "--remat", default="none", choices=REMAT_POLICIES,
+        help="what each block keeps for the backward pass: none (everything), full (nothing: "
+        "recompute the block), dots (matrix products), minimal (the projections' outputs), "
+        "minimal_with_context (also the attention context)",
+    )  # fmt: skip
+    p.add_argument(
+        "--remat-offload", action="store_true",
+        help="keep what --remat saves in host memory (GPU/TPU; not on the CPU)",
+    )  # fmt: skip
+
+
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
@@ -247,6 +264,7 @@ def add_report_parsers(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length, in tokens")
     _add_layout_options(p)
+    add_remat_options(p)
     p.add_argument("--no-params", dest="params", action="store_false", help="leave out the per-parameter table")
     p.set_defaults(run=_inspect)
 
@@ -268,5 +286,6 @@ def add_report_parsers(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: one per data shard and micro-batch)")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length, in tokens")
     _add_layout_options(p)
+    add_remat_options(p)
     p.set_defaults(run=_plan, params=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -12,7 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
+from equishard._errors import LayerConfigError
 from equishard.models import GPT, GPTConfig
+from equishard.nn import remat_policy
 from equishard.report import gpt_report
 from equishard.report._gpt import abstract_train_step
 from equishard.sharding import Layout, param_table
@@ -94,3 +97,47 @@ def test_fully_split_gpt_trains_as_on_one_device():
             losses.append(metrics["loss"])
         results.append((jnp.stack(losses), es.gather(state.model).norm.weight.value))
     assert_tree_allclose(results[1], results[0])
+
+
+# ---------------------------------------------------------------------------
+# Rematerialisation policies by name.
+
+REMAT_LAYOUT = Layout("fsdp=2,tp=2", sequence_parallel=True)
+
+
+@functools.cache
+def _remat_losses(remat: str) -> tuple[float, ...]:
+    config = dataclasses.replace(SMALL, remat=remat)
+    mesh = REMAT_LAYOUT.mesh(jax.devices()[:4])
+    adamw = optax.adamw(3e-3)
+    state = init_train_state(
+        lambda k: GPT(config, REMAT_LAYOUT.parallelism(4), key=k), adamw, jax.random.key(0), mesh=mesh
+    )
+    step = make_train_step(
+        lambda m, b, k: m.loss(b, k), adamw, mesh=mesh, batch_spec=REMAT_LAYOUT.batch_spec(4)
+    )
+    losses = []
+    for i in range(5):
+        batch = jax.random.randint(jax.random.key(i), (BATCH, SEQ + 1), 0, SMALL.vocab_size)
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return tuple(losses)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "minimal", "minimal_with_context"])
+def test_each_remat_policy_gives_the_losses_of_none(remat):
+    reference = _remat_losses("none")
+    assert reference[-1] < reference[0]
+    for a, b in zip(_remat_losses(remat), reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (remat, a, b)
+
+
+def test_remat_policies_refuse_what_they_cannot_do():
+    with pytest.raises(LayerConfigError, match="remat='some'.*minimal_with_context"):
+        remat_policy("some")
+    with pytest.raises(LayerConfigError, match="only the named policies"):
+        remat_policy("full", offload=True)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(LayerConfigError, match="not on the CPU"):
+            GPT(dataclasses.replace(SMALL, remat="minimal", remat_offload=True), key=jax.random.key(0))
+

@@ -29,8 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .._errors import CheckpointError, LayerConfigError, TrainingError
 from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
-from ..models import GPT, PRESETS, cast_floating, count_parameters
+from ..models import GPT, PRESETS, GPTConfig, cast_floating, count_parameters
 from ..models._gpt import canonical_path, to_single_device
+from ..nn import remat_policy
 from ..report._flops import DeviceProfile, device_profile, gpt_flops_per_token
 from ..sharding import Layout, filter_shard_map, format_param_table, gather
 from ..train import TrainState, export_model, init_train_state, make_train_step
@@ -73,6 +74,8 @@ class TrainConfig:
     sequence_parallel: bool = False
     microbatches: int | None = None
     pipeline_repeats: int = 1
+    remat: str = "none"
+    remat_offload: bool = False
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
@@ -114,6 +117,7 @@ def check_options(config: TrainConfig) -> None:
         raise LayerConfigError(
             f"unknown model preset {config.model!r}; choose one of {', '.join(PRESETS)}."
         )
+    remat_policy(config.remat, offload=config.remat_offload)  # an unknown name, or offload on the CPU
     if config.dtype not in DTYPES:
         raise LayerConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}.")
     at_least_one = (
@@ -192,7 +196,9 @@ class Run:
         self.mesh: Mesh = self.layout.mesh(devices)
         _check(config, self.layout, len(devices))
         self.parallelism = self.layout.parallelism(len(devices))
-        self.model_config = PRESETS[config.model]
+        self.model_config = dataclasses.replace(
+            PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload
+        )
         self.optimizer = make_optimizer(config)
         self.batch_spec = self.layout.batch_spec(len(devices))
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
@@ -372,7 +378,7 @@ def run(
     checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints")
     corpus = load_stdlib_corpus()
     metadata = {
-        "model": dataclasses.asdict(r.model_config),
+        "model": _architecture(r.model_config),
         "preset": config.model,
         "layout": config.layout,
         "unit_order": r.unit_order(),
@@ -442,6 +448,22 @@ def _write_config(run_dir: pathlib.Path, config: TrainConfig) -> None:
         (run_dir / CONFIG_FILE).write_text(config_toml(config))
 
 
+_NOT_ARCHITECTURE = ("remat", "remat_offload")
+"""`GPTConfig` fields that change how a step runs, not the parameters: a run may resume
+under another rematerialisation policy."""
+
+
+def _without_remat(model: Any) -> Any:
+    if not isinstance(model, dict):
+        return model
+    return {k: v for k, v in model.items() if k not in _NOT_ARCHITECTURE}
+
+
+def _architecture(config: GPTConfig) -> dict[str, Any]:
+    """The `GPTConfig` fields a checkpoint's parameters depend on."""
+    return _without_remat(dataclasses.asdict(config))
+
+
 def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
     """The state to continue from: the latest step, or `--resume-step`, checked to fit."""
     config = r.config
@@ -453,7 +475,7 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
         )
     meta = ckpt.read_metadata(config.resume_step)
     saved, step = meta.get("user", {}), int(meta["step"])
-    same_model = saved.get("model") == metadata["model"]
+    same_model = _without_remat(saved.get("model")) == metadata["model"]
     if same_model and saved.get("unit_order") != metadata["unit_order"]:
         raise CheckpointError(
             f"the checkpoint in {checkpoint_dir} (layout {saved.get('layout')!r}) "

@@ -33,6 +33,7 @@ from ..nn import (
     RMSNorm,
     TransformerBlock,
     fsdp_gather_params,
+    remat_policy,
     vocab_parallel_cross_entropy,
 )
 from ..nn._fsdp import _after
@@ -66,8 +67,12 @@ class GPTConfig:
     - `num_experts`, `top_k`, `capacity_factor`, `moe_group_size`: the MoE layers'.
     - `aux_loss_weight`, `z_loss_weight`: weights of the MoE auxiliary losses.
     - `rotary_base`: the rotary embeddings' frequency base.
-    - `remat`: `"none"`, `"full"` (recompute each block in the backward pass) or
-      `"dots"` (save only matrix products).
+    - `remat`: what each block keeps for the backward pass (`equishard.nn.remat_policy`):
+      `"none"`, `"full"` (recompute each block in the backward pass), `"dots"` (keep
+      only matrix products), `"minimal"` (keep the projections' outputs) or
+      `"minimal_with_context"` (also the attention context).
+    - `remat_offload`: keep what `remat` saves in host memory instead (GPU and TPU
+      backends; the `minimal` policies).
     """
 
     vocab_size: int = 256
@@ -85,7 +90,8 @@ class GPTConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
     rotary_base: float = 10000.0
-    remat: Literal["none", "full", "dots"] = "none"
+    remat: Literal["none", "full", "dots", "minimal", "minimal_with_context"] = "none"
+    remat_offload: bool = False
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -184,14 +190,9 @@ class _OutputOnly(eqx.Module):
         return self.unit(x)[0]
 
 
-def _remat(fn: Any, remat: str) -> Any:
-    if remat == "none":
-        return fn
-    policy = {
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    }[remat]
-    return eqx.filter_checkpoint(fn, policy=policy)
+def _remat(fn: Any, config: GPTConfig) -> Any:
+    policy = remat_policy(config.remat, offload=config.remat_offload)
+    return fn if policy is None else eqx.filter_checkpoint(fn, policy=policy)
 
 
 def _check(config: GPTConfig, par: Parallelism) -> None:
@@ -200,8 +201,7 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
         raise LayerConfigError(
             f"GPT: n_layers={config.n_layers} is not divisible by moe_every={config.moe_every}."
         )
-    if config.remat not in ("none", "full", "dots"):
-        raise LayerConfigError(f"GPT: remat={config.remat!r} is not one of 'none', 'full', 'dots'.")
+    remat_policy(config.remat, offload=config.remat_offload)  # raises for a bad name
     if par.pipeline and config.moe_every:
         raise LayerConfigError(
             "GPT: a mixture-of-experts model cannot run on a pipeline axis (a stage passes "
@@ -337,7 +337,7 @@ class GPT(eqx.Module):
         if self.parallelism.pipeline:
             return self.units(x), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
-        call = _remat(lambda unit, x: unit(x), self.config.remat)
+        call = _remat(lambda unit, x: unit(x), self.config)
 
         def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
             unit = drop_leading_axis(eqx.combine(layer, static))

@@ -33,6 +33,7 @@ from ._parallelize import (
     parallelize as parallelize,
 )
 from ._pipeline import PipelineModule as PipelineModule
+from ._remat import REMAT_POLICIES as REMAT_POLICIES, remat_policy as remat_policy
 from ._tp_dense import Dense as Dense, TPAsyncDense as TPAsyncDense, TPDense as TPDense
 from ._transformer import (
     ParallelAttention as ParallelAttention,

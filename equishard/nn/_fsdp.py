@@ -44,6 +44,7 @@ from ..sharding._fsdp import (
 )
 from ..sharding._rules import map_modules
 from ..sharding._specs import is_array_like, spec_axes
+from ._remat import save_collectives_except
 
 
 def _check_dtype(name: str, dtype: Any) -> None:
@@ -247,45 +248,6 @@ class _GatherConfig(eqx.Module):
         return module(*args, **kwargs)
 
 
-# Collectives whose outputs the re-gathering backward pass keeps instead of recomputing.
-_COLLECTIVES = frozenset(
-    {
-        "psum",
-        "psum_invariant",
-        "pmax",
-        "pmin",
-        "all_gather",
-        "all_gather_invariant",
-        "reduce_scatter",
-        "ppermute",
-        "all_to_all",
-        "ragged_all_to_all",
-    }
-)
-
-
-def _collective_axes(params: dict[str, Any]) -> frozenset[str]:
-    axes = params.get("axes", params.get("axis_name", ()))
-    return frozenset((axes,) if isinstance(axes, str) else axes)
-
-
-def _save_collectives_except(axis_name: str) -> Any:
-    """A `jax.checkpoint` policy: keep every collective's output not over `axis_name`.
-
-    The FSDP wrapper recomputes its unit's forward in the backward pass to gather the
-    parameters again. The unit's own collectives — tensor-parallel all-reduces,
-    sequence-parallel gathers, expert all-to-alls — would be sent a second time; their
-    outputs (one activation each) are kept instead, and only the local computation is
-    redone. The FSDP gathers themselves (over `axis_name`, inside `gather_array`'s
-    custom VJP) are not kept: that is the point.
-    """
-
-    def policy(prim: Any, *_: Any, **params: Any) -> bool:
-        return prim.name in _COLLECTIVES and axis_name not in _collective_axes(params)
-
-    return policy
-
-
 @eqx.filter_custom_vjp
 def _call_regathering(operands: Any, config: _GatherConfig) -> Any:
     # Forward: gather after the inputs exist, call; nothing gathered is kept.
@@ -299,7 +261,7 @@ def _call_regathering_fwd(perturbed: Any, operands: Any, config: _GatherConfig) 
     # split) and the outputs of the unit's other collectives; everything else,
     # the gathered parameters first, is recomputed in the backward pass.
     call = eqx.filter_checkpoint(
-        lambda ops: config.call(ops, ops[1:]), policy=_save_collectives_except(config.axis_name)
+        lambda ops: config.call(ops, ops[1:]), policy=save_collectives_except(config.axis_name)
     )
     out, vjp = eqx.filter_vjp(call, operands)
     shapes = jax.tree.map(

@@ -29,6 +29,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -48,6 +49,7 @@ from ._init import (
 )
 from ._linear import ColumnParallelLinear, RowParallelLinear, add_bias
 from ._moe import MoE, MoEAux
+from ._remat import CONTEXT, MLP_IN, MLP_OUT, OUT_PROJ, QKV_PROJ
 
 STYLES = ("megatron", "sequence")
 
@@ -426,7 +428,7 @@ class ParallelAttention(eqx.Module):
         head_dim = self.d_model // self.n_heads
         if self.qkv is not None:
             # f32[..., T(/n), D] -> f32[..., T, 3 D/n], ordered (q|k|v, local head, head_dim)
-            qkv = self.qkv(x)
+            qkv = checkpoint_name(self.qkv(x), QKV_PROJ)
             qkv = qkv.reshape(*qkv.shape[:-1], 3, heads, head_dim)
             return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
         assert self.q is not None and self.kv is not None
@@ -438,10 +440,10 @@ class ParallelAttention(eqx.Module):
             else:
                 x = mp_copy(x, axis_name=self.axis_name)
         # f32[..., T, D] @ f32[D, D/n] -> f32[..., T, H/n, hd]
-        q = self.q(x)
+        q = checkpoint_name(self.q(x), QKV_PROJ)
         q = q.reshape(*q.shape[:-1], heads, head_dim)
         # f32[..., T, D] @ f32[D, 2 Hkv_local hd] -> f32[..., T, 2, Hkv_local, hd]
-        kv = self.kv(x)
+        kv = checkpoint_name(self.kv(x), QKV_PROJ)
         kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
 
@@ -471,9 +473,9 @@ class ParallelAttention(eqx.Module):
             k = rotary_embedding(k, self.rotary_base, positions=positions)
         # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
         out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
-        out = out.reshape(*out.shape[:-2], -1)
+        out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
-        return self.proj(out)
+        return checkpoint_name(self.proj(out), OUT_PROJ)
 
 
 class ParallelMLP(eqx.Module):
@@ -554,14 +556,14 @@ class ParallelMLP(eqx.Module):
         `[..., T(/n), d_model]`, laid out like `x`.
         """
         # f32[..., T(/n), D] -> f32[..., T, F/n] (or 2 F/n with swiglu)
-        h = self.up(x)
+        h = checkpoint_name(self.up(x), MLP_IN)
         if self.swiglu:
             h = h.reshape(*h.shape[:-1], 2, -1)
             h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
         else:
             h = self.activation(h)
         # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]
-        return self.down(h)
+        return checkpoint_name(self.down(h), MLP_OUT)
 
 
 class TransformerBlock(eqx.Module):
