@@ -471,6 +471,8 @@ def environment() -> dict[str, Any]:
         "jax": jax.__version__,
         "platform": f"{jax.devices()[0].platform} x {jax.device_count()}",
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+        # Other work on the machine while the benchmark ran (1-minute load average).
+        "load": round(__import__("os").getloadavg()[0], 1),
     }
 
 
@@ -576,6 +578,7 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
         f"{_mib(single['plain_memory']['temp_bytes'])} | |",
         "",
         *overhead_markdown(),
+        *lowering_markdown(),
         NOTES,
     ]
     return "\n".join(lines) + "\n"
@@ -610,20 +613,54 @@ def overhead_markdown() -> list[str]:
             f"{o[key]['baseline_step_s'] * 1e3:.0f} | {e['flops'] / b['flops']:.4f} | "
             f"{e['bytes accessed'] / b['bytes accessed']:.4f} |"
         )
+    dp8 = o["dp8"]
+    load = f"load average {env['load']}" if "load" in env else "load not recorded"
     return [
         *lines,
         "",
         "Targets: at most 1.05 on one device, 1.03 on `dp=8`. The baselines run the same "
         "update, clipping and non-finite guard as equishard's step (loss, gradient norm and "
-        "every update finite), so both programs do the same work: equal flops and bytes "
-        "accessed above, and on `dp=8` equal collective bytes (29.77 MiB). What remains on "
-        "`dp=8` is one more 4-byte all-reduce in equishard's program (the non-finite verdict "
-        "combined over the mesh, where GSPMD checks the replicated updates without "
-        "communicating): a rendezvous of the eight device threads in the middle of the "
-        "step. Alone, such a program takes 0.2 ms on this machine; inside the step it waits "
-        "for the slowest device thread, which on 2 cores shared by 8 simulated devices (and "
-        "other work: load average 14-17 during the run) is what the 1.05 median and its "
-        "spread measure. This was not resolved further without a profile.",
+        "every update finite), so both programs do the same work: flops and bytes accessed "
+        "above, and on `dp=8` collective bytes "
+        f"({dp8['equishard_bytes'] / MIB:.2f} MiB against {dp8['baseline_bytes'] / MIB:.2f} MiB; "
+        "the same two all-reduces of the same gradients). The non-finite guard combines its "
+        "verdict over the axes some parameter is split over only, so on `dp=8` it sends "
+        "nothing, as GSPMD's does. The step times come from 8 simulated devices sharing "
+        f"the machine's cores with other work ({load} during the run): the quartiles "
+        "and range say how far one pair's ratio moves with that noise.",
+        "",
+    ]
+
+
+def lowering_markdown() -> list[str]:
+    """The section of `bench_lowering.py`'s results (nothing before it has run)."""
+    path = RESULTS / "lowering.json"
+    if not path.exists():
+        return []
+    o = json.loads(path.read_text())
+    env, new, old = o["environment"], o["best_s"], o["baseline_best_s"]
+    row = lambda name, b: (  # noqa: E731
+        f"| {name} | {b['state']:.3f} | {b['trace']:.3f} | {b['lower']:.3f} | {b['trace + lower']:.3f} |"
+    )
+    return [
+        "## Trace and lower time",
+        "",
+        f"`python benchmarks/bench_lowering.py` at commit {env.get('commit', '?')} ({env['date']}, "
+        f"JAX {env['jax']}, {env['platform']} devices on {env['machine']}): the train step of "
+        f"`{o['preset']}` on `{o['layout']}` (batch {o['batch']} x {o['seq_len']}, AdamW, clipping) "
+        f"built from abstract arrays, this commit against commit {o['baseline_commit']} imported beside "
+        f"it in the same process, alternating; best of {o['repeats']} each, CPU seconds of the process "
+        "(tracing and lowering run on one thread; on a shared machine wall time would also "
+        "count the other processes).",
+        "",
+        "| package | abstract state | make_train_step + trace | lower | trace + lower |",
+        "|---|---:|---:|---:|---:|",
+        row(f"this commit ({env.get('commit', '?')})", new),
+        row(f"commit {o['baseline_commit']}", old),
+        "",
+        f"Trace + lower: **{o['ratio']:.2f}x** the older commit's (target at most 0.6x). The older "
+        "train step traced its body twice (once more under `eval_shape`, to learn the "
+        "`shard_map`'s output specs); this one passes the parameters' specs and traces once.",
         "",
     ]
 

@@ -9,7 +9,10 @@ is a second, independent package). For each, `equishard.report.abstract_train_st
 builds the train step of the `base` preset on `fsdp=4,tp=2` (batch 16 x 256, AdamW,
 clipping at 1.0) from abstract arrays, then traces and lowers it to StableHLO (no XLA
 compilation). Reported per phase (the state's `eval_shape`; `make_train_step` and the
-trace; the lowering), the best of `--repeats` for each, and the ratio of trace + lower. Writes
+trace; the lowering), the best of `--repeats` for each, and the ratio of trace + lower.
+Times are the process's CPU time (`time.process_time`): tracing and lowering run on one
+thread, so on a shared machine the CPU time measures their work where wall time would
+also measure the other processes. Writes
 `benchmarks/results/lowering.json`; `bench_layouts.py --from-results` puts it into
 `RESULTS.md`.
 """
@@ -17,6 +20,7 @@ trace; the lowering), the best of `--repeats` for each, and the ratio of trace +
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import io
 import json
@@ -73,7 +77,8 @@ def lower_once(package: str) -> dict[str, float]:
     devices = jax.devices()
     optimizer = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1)
     mesh, par = layout.mesh(devices), layout.parallelism(len(devices))
-    start = time.perf_counter()
+    clock = time.process_time  # CPU time of this process: what tracing and lowering cost
+    start = clock()
     state = eqx.filter_eval_shape(
         lambda: train.init_train_state(
             lambda k: models.GPT(models.PRESETS[PRESET], par, key=k), optimizer, jax.random.key(0), mesh=mesh
@@ -84,15 +89,15 @@ def lower_once(package: str) -> dict[str, float]:
     batch = jax.ShapeDtypeStruct(
         (BATCH, SEQ + 1), jnp.int32, sharding=NamedSharding(mesh, layout.batch_spec(len(devices)))
     )
-    traced_at = time.perf_counter()
+    traced_at = clock()
     step = train.make_train_step(
         lambda model, b, key: model.loss(b, key), optimizer, mesh=mesh,
         batch_spec=layout.batch_spec(len(devices)), clip_norm=CLIP,
     )  # fmt: skip
     traced = jax.jit(lambda d, b: step(eqx.combine(d, static), b), donate_argnums=0).trace(dynamic, batch)
-    lowered_at = time.perf_counter()
+    lowered_at = clock()
     traced.lower()
-    end = time.perf_counter()
+    end = clock()
     return {"state": traced_at - start, "trace": lowered_at - traced_at, "lower": end - lowered_at}
 
 
@@ -110,7 +115,12 @@ def main() -> None:
         for i in range(args.repeats):
             order = ["equishard", "equishard_baseline"]
             for package in order if i % 2 == 0 else order[::-1]:
-                times[package].append(lower_once(package))
+                gc.collect()
+                gc.disable()  # as `timeit` does: a collection would land in one phase at random
+                try:
+                    times[package].append(lower_once(package))
+                finally:
+                    gc.enable()
     def best(package: str) -> dict[str, float]:
         runs = times[package]
         return {**{k: min(r[k] for r in runs) for k in runs[0]}, "trace + lower": min(r["trace"] + r["lower"] for r in runs)}
