@@ -482,3 +482,140 @@ def test_errors():
         _trace(lambda p, x: p(x).sum(), mesh, wrong, x)
     with pytest.raises(es.LayerConfigError, match="'pp' is not bound"):
         execute_pipeline(ident, x, num_microbatches=2, model_axis_name="pp")
+
+
+# ------------------------------------------------------------- explicit schedules
+
+
+def _head(w, y, t):
+    # f32[b, T, D] @ f32[D] -> f32[b, T]: a regression head and its loss.
+    return jnp.mean((y @ w - t) ** 2)
+
+
+@functools.cache
+def _head_reference(num_layers, block_cls: type = Block):
+    """Blocks from split keys in order, then the head: loss and gradients (one device)."""
+    key = jax.random.key(0)
+    blocks = [block_cls(k) for k in jax.random.split(key, num_layers)]
+    w = jax.random.normal(jax.random.key(7), (D,)) / D**0.5
+    # A batch of 32: 4 micro-batches per stage on 8 stages.
+    x = jax.random.normal(jax.random.key(1), (32, T, D))
+    t = jax.random.normal(jax.random.key(8), (32, T))
+
+    def run(blocks, w, x):
+        for block in blocks:
+            x = block(x)
+        return _head(w, x, t)
+
+    loss, grads = jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2)))(blocks, w, x)
+    return key, blocks, w, x, t, loss, grads
+
+
+def _schedule_loss_grad(mesh, pipe_specs, data_axis=None):
+    """The pipeline's loss (`PipelineModule.loss`) and its gradients (inside shard_map)."""
+
+    def inner(pipe, w, x, t):
+        def loss_fn(pipe, w, x):
+            loss = pipe.loss(x, t, last=_head, last_params=w)
+            return jax.lax.pmean(loss, data_axis) if data_axis else loss
+
+        return jax.value_and_grad(
+            lambda p, w, x: loss_fn(eqx.combine(p, static), w, x), argnums=(0, 1, 2)
+        )(eqx.filter(pipe, eqx.is_array), w, x)
+
+    static = None
+
+    def wrapped(pipe, w, x, t):
+        nonlocal static
+        static = eqx.filter(pipe, eqx.is_array, inverse=True)
+        return inner(pipe, w, x, t)
+
+    return es.filter_shard_map(
+        wrapped, mesh=mesh, in_specs=(None, P(), P(data_axis), P(data_axis)),
+        out_specs=(P(), (pipe_specs, P(), P(data_axis))),
+    )  # fmt: skip
+
+
+def _check_schedule(schedule, pp, m, layout=None, block_cls: type = Block, data_axis=None, wrap=None):
+    repeats = 2 if schedule == "interleaved-1f1b" else 1
+    num_layers = 2 * pp * repeats
+    key, blocks, w, x, t, loss_ref, (g_blocks, g_w, g_x) = _head_reference(num_layers, block_cls)
+    mesh = es.make_mesh(layout or f"pp={pp}")
+    make = block_cls if wrap is None else (lambda k: wrap(block_cls(k), mesh))
+    pipe = PipelineModule(
+        make, "pp", m, num_layers=num_layers, num_stages=pp, repeats=repeats,
+        schedule=schedule, key=key,
+    )  # fmt: skip
+    run, compiled = _compile(_schedule_loss_grad(mesh, es.specs_of(pipe), data_axis), pipe, w, x, t)
+    loss, (grads, gw, gx) = run()
+    assert_tree_allclose(loss, loss_ref)
+    layers = grads.unstack()
+    if wrap is not None:
+        layers = [layer.module for layer in layers]
+    assert_tree_allclose(layers, g_blocks)
+    assert_tree_allclose(gw, g_w)
+    assert_tree_allclose(gx, g_x)
+    return compiled
+
+
+class TanhBlock(eqx.Module):
+    """A small residual block (cheap to compile: the schedule grid below has 27 cases)."""
+
+    w: jax.Array
+
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (D, D)) / D**0.5
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+EXPLICIT = ["1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+@pytest.mark.parametrize("schedule", EXPLICIT)
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("mb_per_stage", [1, 2, 4])
+def test_explicit_schedule_matches_sequential(schedule, pp, mb_per_stage):
+    _check_schedule(schedule, pp, mb_per_stage * pp, block_cls=TanhBlock)
+
+
+def test_explicit_schedule_transformer_block():
+    _check_schedule("1f1b", 4, 8)
+
+
+def _fsdp(block, mesh):
+    return es.nn.FSDP(block, "fsdp", min_weight_size=0, mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    "layout, schedule, block_cls, data_axis, wrap",
+    [
+        ("pp=4,tp=2", "1f1b", TPBlock, None, None),
+        ("dp=2,pp=4", "1f1b", Block, "dp", None),
+        ("fsdp=2,pp=4", "1f1b", Block, "fsdp", _fsdp),
+        ("dp=2,pp=2,tp=2", "1f1b", TPBlock, "dp", None),
+        ("dp=2,pp=2,tp=2", "zb-h1", TPBlock, "dp", None),
+        ("dp=2,pp=2,tp=2", "interleaved-1f1b", TPBlock, "dp", None),
+    ],
+)
+def test_explicit_schedule_composes(layout, schedule, block_cls, data_axis, wrap):
+    """Tensor-parallel, data-parallel and FSDP layers inside the stages of each schedule."""
+    pp = es.make_mesh(layout).shape["pp"]
+    _check_schedule(schedule, pp, 2 * pp, layout=layout, block_cls=block_cls, data_axis=data_axis, wrap=wrap)
+
+
+def test_explicit_schedule_errors():
+    mesh = es.make_mesh("pp=2")
+    x = jnp.ones((4, T, D))
+    pipe = PipelineModule(TanhBlock, "pp", 2, num_layers=2, num_stages=2, schedule="1f1b", key=jax.random.key(0))
+    assert pipe.explicit and pipe.table().name == "1f1b"
+    with pytest.raises(es.LayerConfigError, match="'1f1b' schedule runs each micro-batch's backward"):
+        _trace(lambda p, x: p(x).sum(), mesh, pipe, x)
+    with pytest.raises(es.LayerConfigError, match="'zb-h1' schedule runs one stage per device"):
+        PipelineModule(TanhBlock, "pp", 2, num_layers=4, num_stages=2, repeats=2, schedule="zb-h1", key=jax.random.key(0))
+    with pytest.raises(es.LayerConfigError, match="cannot be split into num_microbatches=2"):
+        _trace(lambda p, x: p.loss(x, x[..., 0], last=_head, last_params=jnp.ones(D)), mesh, pipe, jnp.ones((3, T, D)))
+    wrong = PipelineModule(TanhBlock, "pp", 2, num_layers=4, num_stages=4, schedule="1f1b", key=jax.random.key(0))
+    with pytest.raises(es.LayerConfigError, match="num_stages=4.*size 2"):
+        _trace(lambda p, x: p.loss(x, x[..., 0], last=_head, last_params=jnp.ones(D)), mesh, wrong, x)

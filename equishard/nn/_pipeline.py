@@ -7,6 +7,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -15,10 +16,13 @@ from .._errors import LayerConfigError
 from ..core import (
     execute_circular_pipeline,
     execute_pipeline,
+    execute_schedule,
+    from_last_stage,
     pipeline_layer_order,
     pipeline_schedule,
 )
 from ..core._pipeline import check_stage_output
+from ..core._schedule import PipelineSchedule
 from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
 from ._init import check_positive
 
@@ -40,6 +44,13 @@ class PipelineModule(eqx.Module):
       dealt round the devices; device `d` holds stages `d, d + S, ...`. The stack is in
       device-major order (`equishard.core.pipeline_layer_order`); `unstack` gives the
       layers in model order.
+
+    `schedule` picks the order of the work (`equishard.core.pipeline_schedule`):
+    `"gpipe"` and `"circular"` run as one differentiated scan (call the module, compute
+    the loss from its output); `"1f1b"`, `"interleaved-1f1b"` and `"zb-h1"` run the
+    backward themselves, micro-batch by micro-batch, so the loss is computed inside the
+    pipeline: call `loss`, which takes the head (and optionally the embedding) as
+    functions. `loss` works for every schedule, so the same code runs all five.
 
     Called in the local view, inside `equishard.filter_shard_map` over a mesh with the
     stage axis (the stack's `P("pp", ...)` specs place each device's layers). The output
@@ -68,12 +79,14 @@ class PipelineModule(eqx.Module):
     - `num_layers`: `L`, divisible by `num_stages * repeats`.
     - `num_stages`: `S`, the size of the stage axis on the mesh it will run on.
     - `repeats`: local stages per device `R` (1: GPipe; more: circular schedule).
+    - `schedule`: `"gpipe"`, `"circular"`, `"1f1b"`, `"interleaved-1f1b"` or `"zb-h1"`;
+      `None` (default): `"gpipe"` for `R = 1`, `"circular"` for more.
     - `key`: PRNG key (keyword-only).
 
     **Raises:**
 
-    `LayerConfigError` for `L` not divisible by `S R`, or `M` not a multiple of `S`
-    with `R > 1`.
+    `LayerConfigError` for `L` not divisible by `S R`, `M` not a multiple of `S`
+    with `R > 1`, an unknown schedule or one that does not take `R`.
     """
 
     layers: PyTree
@@ -82,6 +95,7 @@ class PipelineModule(eqx.Module):
     num_layers: int = eqx.field(static=True)
     num_stages: int = eqx.field(static=True)
     repeats: int = eqx.field(static=True)
+    schedule: str = eqx.field(static=True)
     was_plain: tuple[bool, ...] = eqx.field(static=True, repr=False)
 
     def __init__(
@@ -93,13 +107,17 @@ class PipelineModule(eqx.Module):
         num_layers: int,
         num_stages: int,
         repeats: int = 1,
+        schedule: str | None = None,
         key: PRNGKeyArray,
     ):
         for what, value in (("num_stages", num_stages), ("repeats", repeats), ("num_microbatches", num_microbatches)):
             check_positive("PipelineModule", what, value)
         # Both validate: L against S R, and M against S when R > 1.
         order = np.asarray(pipeline_layer_order(num_layers, num_stages, repeats))
-        pipeline_schedule("gpipe" if repeats == 1 else "circular", num_stages, num_microbatches, repeats=repeats)
+        if schedule is None:
+            schedule = "gpipe" if repeats == 1 else "circular"
+        pipeline_schedule(schedule, num_stages, num_microbatches, repeats=repeats)
+        self.schedule = schedule
         self.model_axis_name = model_axis_name
         self.num_microbatches = num_microbatches
         self.num_layers = num_layers
@@ -143,8 +161,120 @@ class PipelineModule(eqx.Module):
         arguments of the pipeline are not carried: call `unstack()`'s layers for those."""
         return eqx.nn.Sequential(self.unstack())
 
+    def _check_axis(self) -> None:
+        size = bound_axis_size(self.model_axis_name)
+        if size is None:
+            raise LayerConfigError(
+                f"PipelineModule: the stage axis {self.model_axis_name!r} is not bound; "
+                f"call the module inside `equishard.filter_shard_map` over a mesh with "
+                f"that axis."
+            )
+        if size != self.num_stages:
+            raise LayerConfigError(
+                f"PipelineModule was built with num_stages={self.num_stages}, but the "
+                f"stage axis {self.model_axis_name!r} has size {size}."
+            )
+
+    def _local_layers(self) -> tuple[PyTree, PyTree]:
+        """This device's stacked layers `[R L', ...]`, split into (arrays, the rest)."""
+        per = self.layers_per_stage
+        local = self.repeats * per
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        heads = {a.shape[0] for a in jax.tree.leaves(dynamic)}
+        if heads and heads != {local}:
+            raise LayerConfigError(
+                f"PipelineModule: expected this device's {local} layers "
+                f"({self.repeats} stage(s) of {per}) but the stack has leading sizes "
+                f"{sorted(heads)}; pass the module into `filter_shard_map` with its "
+                f"carried specs (P({self.model_axis_name!r}, ...))."
+            )
+        return dynamic, static
+
+    def _run_layers(self, stack: PyTree, static: PyTree, h: Array, *args: Any, **kwargs: Any) -> Array:
+        """Run a stack of layers `[L', ...]` (arrays) in order on `h`."""
+
+        def layer_step(h: Array, layer_dyn: PyTree) -> tuple[Array, None]:
+            block = drop_leading_axis(eqx.combine(layer_dyn, static), unbox=self.was_plain)
+            out = block(h, *args, **kwargs)
+            check_stage_output(out, h, f"PipelineModule: the layer {type(block).__name__}")
+            return out, None
+
+        h, _ = jax.lax.scan(layer_step, h, stack)  # f32[B/M, ...] per stage
+        return h
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the schedule runs its own backward (1F1B, interleaved 1F1B, ZB-H1)."""
+        return self.schedule not in ("gpipe", "circular")
+
+    def table(self) -> PipelineSchedule:
+        """The schedule's table (`equishard.core.pipeline_schedule`)."""
+        return pipeline_schedule(
+            self.schedule, self.num_stages, self.num_microbatches, repeats=self.repeats
+        )
+
+    def loss(
+        self,
+        inputs: PyTree,
+        targets: PyTree,
+        *,
+        last: Callable[[PyTree, Array, PyTree], Array],
+        last_params: PyTree = None,
+        first: Callable[[PyTree, PyTree], Array] | None = None,
+        first_params: PyTree = None,
+    ) -> Array:
+        """The mean loss of the pipeline's micro-batches, on every stage (local view).
+
+        Micro-batch `m` enters as `first(first_params, inputs[m])` (or `inputs[m]`),
+        runs through the layers and ends in `last(last_params, y, targets[m])`, its
+        scalar loss; the result is the mean over micro-batches (equal to the loss of the
+        whole local batch when `last` is a mean over equal micro-batches). With an
+        explicit schedule (`1f1b`, `interleaved-1f1b`, `zb-h1`) `first` and `last` run
+        per micro-batch inside the pipeline (`equishard.core.execute_schedule`); with
+        `gpipe`/`circular` around it. Differentiable in the module, `first_params`,
+        `last_params` and (without `first`) `inputs`. Make it global over data axes
+        with `jax.lax.pmean` as usual; it is already the same on every stage.
+
+        **Arguments:**
+
+        - `inputs`: the local batch, a pytree of arrays `[B, ...]`.
+        - `targets`: a pytree of arrays `[B, ...]` passed to `last`.
+        - `last`: `last(last_params, y, targets_m) -> f32[]`, the head and loss.
+        - `last_params`: its parameters (a pytree of arrays, or boxes).
+        - `first`: `first(first_params, inputs_m) -> h`, e.g. the embedding; or `None`.
+        - `first_params`: its parameters.
+
+        **Returns:**
+
+        `f32[]`, the same on every stage.
+        """
+        self._check_axis()
+        m = self.num_microbatches
+        if not self.explicit:
+            h = inputs if first is None else first(first_params, inputs)
+            y = self(h)  # f32[B, ...] on the last stage, zeros elsewhere
+            split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
+            losses = jax.vmap(lambda y, t: last(last_params, y, t))(
+                split(y), jax.tree.map(split, targets)
+            )
+            return from_last_stage(jnp.mean(losses), self.model_axis_name)
+        dynamic, static = self._local_layers()
+        per = self.layers_per_stage
+        # f32[R L', ...] -> f32[R, L', ...]: local stage v is params[v].
+        chunks = jax.tree.map(lambda a: a.reshape(self.repeats, per, *a.shape[1:]), dynamic)
+
+        def stage(chunk: PyTree, h: Array) -> Array:
+            return self._run_layers(chunk, static, h)
+
+        stage.__name__ = "PipelineModule"
+        return execute_schedule(
+            stage, chunks, inputs, targets, last=last, last_params=last_params,
+            first=first, first_params=first_params, schedule=self.table(),
+            model_axis_name=self.model_axis_name,
+        )  # fmt: skip
+
     def __call__(self, x: Array, *args: Any, **kwargs: Any) -> Array:
-        """Run the pipeline on this device's batch (local view, inside `shard_map`).
+        """Run a GPipe or circular pipeline on this device's batch (local view, inside `shard_map`).
 
         **Arguments:**
 
@@ -159,37 +289,24 @@ class PipelineModule(eqx.Module):
 
         **Raises:**
 
-        `LayerConfigError` if the stage axis is unbound or of another size than
-        `num_stages`, the local stack is not this device's share (the module was not
-        passed through `shard_map` with its specs), or the batch does not split.
+        `LayerConfigError` if the schedule is explicit (use `loss`), the stage axis is
+        unbound or of another size than `num_stages`, the local stack is not this
+        device's share (the module was not passed through `shard_map` with its specs),
+        or the batch does not split.
         """
-        size = bound_axis_size(self.model_axis_name)
-        if size is None:
+        if self.explicit:
             raise LayerConfigError(
-                f"PipelineModule: the stage axis {self.model_axis_name!r} is not bound; "
-                f"call the module inside `equishard.filter_shard_map` over a mesh with "
-                f"that axis."
+                f"PipelineModule: the {self.schedule!r} schedule runs each micro-batch's "
+                f"backward inside the pipeline, so it has no output to return; call "
+                f"`pipe.loss(inputs, targets, last=head_and_loss, ...)` instead."
             )
-        if size != self.num_stages:
-            raise LayerConfigError(
-                f"PipelineModule was built with num_stages={self.num_stages}, but the "
-                f"stage axis {self.model_axis_name!r} has size {size}."
-            )
+        self._check_axis()
         per = self.layers_per_stage
-        local = self.repeats * per
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        dynamic, static = self._local_layers()
         # Vary the layers like the batch once, before the schedule's loop: a parameter
         # replicated over a data axis then has its gradient summed over that axis by
         # one all-reduce after the backward loop, instead of one per pipeline step.
         dynamic = cast_varying(dynamic, varying_axes(x))
-        heads = {a.shape[0] for a in jax.tree.leaves(dynamic)}
-        if heads and heads != {local}:
-            raise LayerConfigError(
-                f"PipelineModule: expected this device's {local} layers "
-                f"({self.repeats} stage(s) of {per}) but the stack has leading sizes "
-                f"{sorted(heads)}; pass the module into `filter_shard_map` with its "
-                f"carried specs (P({self.model_axis_name!r}, ...))."
-            )
 
         def run_stage(rep: Array | int, h: Array) -> Array:
             # This device's local stage `rep`: f32[R L', ...] -> f32[L', ...] layers.
@@ -199,15 +316,7 @@ class PipelineModule(eqx.Module):
                 mine = jax.tree.map(
                     lambda a: jax.lax.dynamic_slice_in_dim(a, rep * per, per), dynamic
                 )
-
-            def layer_step(h: Array, layer_dyn: PyTree) -> tuple[Array, None]:
-                block = drop_leading_axis(eqx.combine(layer_dyn, static), unbox=self.was_plain)
-                out = block(h, *args, **kwargs)
-                check_stage_output(out, h, f"PipelineModule: the layer {type(block).__name__}")
-                return out, None
-
-            h, _ = jax.lax.scan(layer_step, h, mine)  # f32[B/M, ...] per stage
-            return h
+            return self._run_layers(mine, static, h, *args, **kwargs)
 
         def gpipe_stage(h: Array) -> Array:
             return run_stage(0, h)

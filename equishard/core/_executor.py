@@ -1,0 +1,607 @@
+"""An explicit pipeline schedule executor: the forward and backward of every micro-batch,
+step by step as a schedule table says, inside `shard_map`.
+
+GPipe and circular pipelines are one differentiated `jax.lax.scan`, so autodiff keeps the
+residuals of every step until the backward pass: memory grows with the number of
+micro-batches. `execute_schedule` runs the backward itself. At every step each stage
+device runs the forward (`F`), backward (`B`) or weight-gradient (`W`) work of one
+micro-batch, or nothing, following a `PipelineSchedule`; activations move to the next
+stage and cotangents to the previous one by collective-permutes. A micro-batch's loss
+is computed on the last stage as soon as its forward ends, and its backward starts
+from there, so a stage holds only the micro-batches its schedule has in flight.
+
+**What a stage keeps for its backward.** The forward of a micro-batch runs under
+`jax.vjp` and its residuals (the intermediate activations the backward reads) are
+written to a stash of as many slots as the schedule has micro-batches in flight; the
+backward reads them back. Residuals that are the stage's parameters themselves are
+recognised and not stashed. Keeping residuals rather than only the stage input (and
+recomputing the forward in the backward) costs activation memory per micro-batch in
+flight but no second forward, and so none of the forward's collectives a second time
+(a tensor-parallel stage's all-reduces): the collective bytes stay those of one
+forward and one backward.
+
+The whole schedule (forwards and backwards) runs in the forward rule of a
+`jax.custom_vjp`; its backward rule scales the gradients by the loss's cotangent. So
+the result is an ordinary differentiable loss inside a train step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from .._axes import bound_axis_size, cast_varying, varying_axes
+from .._errors import LayerConfigError
+from ._schedule import BACKWARD, FORWARD, IDLE, WEIGHT, PipelineSchedule
+
+# ----------------------------------------------------------------------------------------
+# The plan: stash slots and transfers, read off the table once, on the host.
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Per step and stage device (`int32[K, S]` each, `-1`: none) what the executor does.
+
+    - `inbox_read`: the inbox slot holding the activation a forward reads.
+    - `inbox_write`: the inbox slot the activation received at the end of the step goes to.
+    - `stash_write`/`stash_read`: the residual slot a forward writes / a backward reads.
+    - `grad_read`: the cotangent slot a backward reads.
+    - `grad_local`: the cotangent slot the last stage's loss writes (forward of the last
+      global stage).
+    - `grad_write`: the cotangent slot the cotangent received at the end of the step goes to.
+    - `send_forward`, `send_backward`: `bool[K]`, whether any device sends this step.
+    """
+
+    inbox_read: np.ndarray
+    inbox_write: np.ndarray
+    stash_write: np.ndarray
+    stash_read: np.ndarray
+    grad_read: np.ndarray
+    grad_local: np.ndarray
+    grad_write: np.ndarray
+    send_forward: np.ndarray
+    send_backward: np.ndarray
+    inbox_slots: int
+    stash_slots: int
+    grad_slots: int
+
+
+class _Slots:
+    """A free list of stash slots; remembers how many were ever needed at once."""
+
+    def __init__(self) -> None:
+        self.free: list[int] = []
+        self.used: dict[Any, int] = {}
+        self.size = 0
+
+    def take(self, key: Any) -> int:
+        slot = self.free.pop(0) if self.free else self.size
+        self.size = max(self.size, slot + 1)
+        self.used[key] = slot
+        return slot
+
+    def peek(self, key: Any) -> int:
+        return self.used[key]
+
+    def give(self, key: Any) -> int:
+        slot = self.used.pop(key)
+        self.free.append(slot)
+        self.free.sort()
+        return slot
+
+
+def _plan(schedule: PipelineSchedule) -> _Plan:
+    s, r = schedule.num_stages, schedule.repeats
+    last = s * r - 1
+    k = schedule.num_steps
+    split = schedule.split_backward
+    arrays = {
+        name: np.full((k, s), -1, np.int32)
+        for name in (
+            "inbox_read", "inbox_write", "stash_write", "stash_read",
+            "grad_read", "grad_local", "grad_write",
+        )
+    }  # fmt: skip
+    send_forward = np.zeros(k, bool)
+    send_backward = np.zeros(k, bool)
+    inbox = [_Slots() for _ in range(s)]
+    stash = [_Slots() for _ in range(s)]
+    grad = [_Slots() for _ in range(s)]
+    for t in range(k):
+        # Reads first (the step's compute), then writes (its results and what arrives).
+        for d in range(s):
+            op, mb, v = (int(a[t, d]) for a in (schedule.op, schedule.microbatch, schedule.virtual))
+            key = (mb, v)
+            if op == FORWARD and v * s + d > 0:
+                arrays["inbox_read"][t, d] = inbox[d].give(key)
+            elif op == BACKWARD or op == WEIGHT:
+                release = op == WEIGHT or not split
+                pick = (lambda slots: slots.give(key)) if release else (lambda slots: slots.peek(key))
+                arrays["stash_read"][t, d] = pick(stash[d])
+                arrays["grad_read"][t, d] = pick(grad[d])
+        for d in range(s):
+            op, mb, v = (int(a[t, d]) for a in (schedule.op, schedule.microbatch, schedule.virtual))
+            g = v * s + d
+            if op == FORWARD:
+                arrays["stash_write"][t, d] = stash[d].take((mb, v))
+                if g == last:
+                    arrays["grad_local"][t, d] = grad[d].take((mb, v))
+                else:  # to global stage g + 1, on the next device
+                    nxt = (d + 1) % s
+                    arrays["inbox_write"][t, nxt] = inbox[nxt].take((mb, (g + 1) // s))
+                    send_forward[t] = True
+            elif op == BACKWARD and g > 0:  # to global stage g - 1, on the previous device
+                prev = (d - 1) % s
+                arrays["grad_write"][t, prev] = grad[prev].take((mb, (g - 1) // s))
+                send_backward[t] = True
+    return _Plan(
+        **arrays,
+        send_forward=send_forward,
+        send_backward=send_backward,
+        inbox_slots=max(1, max(x.size for x in inbox)),
+        stash_slots=max(1, max(x.size for x in stash)),
+        grad_slots=max(1, max(x.size for x in grad)),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Execution.
+# ----------------------------------------------------------------------------------------
+
+
+def _split(tree: PyTree, m: int, what: str) -> PyTree:
+    def split(a: Array) -> Array:
+        if a.ndim < 1 or a.shape[0] % m:
+            raise LayerConfigError(
+                f"{what}: an input of shape {tuple(a.shape)} cannot be split into "
+                f"num_microbatches={m} equal micro-batches; the batch per device must be "
+                f"divisible by num_microbatches."
+            )
+        # f32[B, ...] -> f32[M, B/M, ...]: micro-batch m is rows [m B/M, (m+1) B/M).
+        return a.reshape(m, a.shape[0] // m, *a.shape[1:])
+
+    return jax.tree.map(split, tree)
+
+
+def _index(tree: PyTree, i: Array) -> PyTree:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _put(tree: PyTree, i: Array, value: PyTree, write: Array) -> PyTree:
+    """`tree[i] = value` where `write`, else unchanged (slot `i` clipped to be valid)."""
+
+    def put(a: Array, x: Array) -> Array:
+        j = jnp.maximum(i, 0)
+        old = jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(a, jnp.where(write, x, old), j, 0)
+
+    return jax.tree.map(put, tree, value)
+
+
+def _typed(x: Any, like: Any, axes: frozenset[str]) -> Any:
+    """`x` varying over what `like` varies over and over `axes`."""
+    return cast_varying(x, varying_axes(like) | axes)
+
+
+def _zeros(tree: PyTree, axes: frozenset[str]) -> PyTree:
+    """Zeros like `tree`, each varying over what its leaf varies over and over `axes`."""
+    return jax.tree.map(lambda a: _typed(jnp.zeros(a.shape, a.dtype), a, axes), tree)
+
+
+def _residuals(fn: Callable, diff: tuple, rest: tuple) -> tuple[Any, Any, list[int | None]]:
+    """`jax.vjp` of `fn(*diff, *rest)` in `diff`, and which residuals are parameters.
+
+    **Returns:**
+
+    `(out, vjp_fn, where)`: `where[i]` is the index of the leaf of `diff[0]` (the
+    parameters) that residual `i` *is* (not to stash), or `None` (to stash).
+    """
+    out, vjp_fn = jax.vjp(lambda *d: fn(*d, *rest), *diff)
+    param_leaves = jax.tree.leaves(diff[0])
+    where = []
+    for res in jax.tree.leaves(vjp_fn):
+        where.append(next((i for i, a in enumerate(param_leaves) if res is a), None))
+    return out, vjp_fn, where
+
+
+class _Stage:
+    """A function's vjp, split into residuals to stash and how to rebuild it.
+
+    `fn(*diff, *rest)` is differentiated in `diff`, whose first entry holds the
+    parameters: residuals that are parameter arrays are taken from the parameters at
+    the backward, not stashed.
+    """
+
+    def __init__(self, fn: Callable, diff: tuple, rest: tuple, axes: frozenset[str]):
+        self.fn = fn
+        self.axes = axes
+        captured: dict[str, Any] = {}
+
+        def probe(diff: tuple, rest: tuple) -> Any:
+            out, vjp_fn, where = _residuals(fn, diff, rest)
+            captured["treedef"] = jax.tree.structure(vjp_fn)
+            captured["where"] = where
+            return [r for r, w in zip(jax.tree.leaves(vjp_fn), where) if w is None]
+
+        self.kept = jax.eval_shape(probe, diff, rest)
+        self.treedef = captured["treedef"]
+        self.where: list[int | None] = captured["where"]
+
+    def forward(self, diff: tuple, rest: tuple) -> tuple[Any, list[Array]]:
+        out, vjp_fn, where = _residuals(self.fn, diff, rest)
+        if where != self.where:  # pragma: no cover - tracing is deterministic
+            raise AssertionError("pipeline: the stage traced differently twice")
+        kept = [r for r, w in zip(jax.tree.leaves(vjp_fn), where) if w is None]
+        return out, [_typed(r, a, self.axes) for r, a in zip(kept, self.kept)]
+
+    def backward(self, params: PyTree, kept: list[Array], cotangent: Array) -> tuple:
+        param_leaves = jax.tree.leaves(params)
+        it = iter(kept)
+        leaves = [next(it) if w is None else param_leaves[w] for w in self.where]
+        return jax.tree.unflatten(self.treedef, leaves)(cotangent)
+
+
+def _check_stage_output(out: Any, h: Any, what: str) -> None:
+    if not hasattr(out, "shape") or tuple(out.shape) != tuple(h.shape) or out.dtype != h.dtype:
+        got = f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__
+        raise LayerConfigError(
+            f"{what} returned {got} for an input {h.dtype}{list(h.shape)}; a pipeline "
+            f"stage must return an activation of the same shape and dtype as its input "
+            f"(it is sent on to the next stage)."
+        )
+
+
+def _run(
+    stage: Callable,
+    first: Callable | None,
+    last: Callable,
+    params: PyTree,
+    first_params: PyTree,
+    last_params: PyTree,
+    inputs: PyTree,
+    targets: PyTree,
+    schedule: PipelineSchedule,
+    axis: str,
+    axes: frozenset[str],
+    grad_inputs: bool,
+    with_grad: bool,
+) -> tuple[Array, tuple]:
+    """Run the schedule; `(loss, (d params, d first_params, d last_params, d inputs))`."""
+    s, m, r = schedule.num_stages, schedule.num_microbatches, schedule.repeats
+    last_stage = s * r - 1
+    me = jax.lax.axis_index(axis)
+    inputs_mb = _split(inputs, m, "execute_schedule")  # [M, b, ...]
+    targets_mb = _split(targets, m, "execute_schedule")
+
+    chunk0 = _index(params, jnp.int32(0))
+    x0 = _index(inputs_mb, jnp.int32(0))
+    t0 = _index(targets_mb, jnp.int32(0))
+    raw = jax.eval_shape(lambda fp, x: x if first is None else first(fp, x), first_params, x0)
+    if not hasattr(raw, "shape"):
+        raise LayerConfigError("execute_schedule: the first stage must produce one array.")
+    # Activations and their cotangents vary over the stage and data axes and over what
+    # the stages make them vary over (not over what they are replicated on, e.g. a
+    # tensor-parallel axis: their cotangents are then the full ones, not partial sums).
+    h_axes = axes | varying_axes(raw)
+    while True:
+        h0 = cast_varying(jnp.zeros(raw.shape, raw.dtype), h_axes)
+        out = jax.eval_shape(stage, chunk0, h0)
+        _check_stage_output(out, h0, "execute_schedule: the stage")
+        if varying_axes(out) <= h_axes:
+            break
+        h_axes = h_axes | varying_axes(out)
+
+    def enter(fp: PyTree, x: PyTree) -> Array:
+        h = x if first is None else first(fp, x)
+        return cast_varying(h, h_axes)
+
+    def run_stage(p: PyTree, h: Array) -> Array:
+        return cast_varying(stage(p, h), h_axes)
+
+    h_aval = jax.eval_shape(enter, first_params, x0)
+    loss_axes = axes | varying_axes(jax.eval_shape(last, last_params, h0, t0))
+    stage_vjp = _Stage(run_stage, (chunk0, h0), (), axes)
+
+    def enter_parts(x: PyTree) -> tuple[tuple, tuple]:
+        """(differentiated, not differentiated) arguments of `enter` for micro-batch `x`."""
+        return ((first_params, x), ()) if grad_inputs else ((first_params,), (x,))
+
+    enter_vjp = _Stage(enter, *enter_parts(x0), axes)
+
+    zero_h = lambda: cast_varying(jnp.zeros(h_aval.shape, h_aval.dtype), h_axes)  # noqa: E731
+    zero_loss = lambda: cast_varying(jnp.zeros((), jnp.float32), loss_axes)  # noqa: E731
+    plan = _plan(schedule)
+    rows = {
+        "op": schedule.op.astype(np.int32), "mb": schedule.microbatch, "v": schedule.virtual,
+        **{f: getattr(plan, f) for f in (
+            "inbox_read", "inbox_write", "stash_write", "stash_read",
+            "grad_read", "grad_local", "grad_write",
+        )},
+        "send_forward": plan.send_forward, "send_backward": plan.send_backward,
+    }  # fmt: skip
+    if not with_grad:  # the forwards alone: backward steps idle, nothing stashed
+        rows["op"] = np.where(rows["op"] == FORWARD, FORWARD, IDLE).astype(np.int32)
+        rows["send_backward"] = np.zeros_like(plan.send_backward)
+    xs = jax.tree.map(jnp.asarray, rows)
+
+    def stack(avals: Any, n: int) -> Any:
+        return jax.tree.map(lambda a: _typed(jnp.zeros((n, *a.shape), a.dtype), a, axes), avals)
+
+    kept_avals = stage_vjp.kept if with_grad else []
+    enter_kept_avals = enter_vjp.kept if with_grad else []
+    carry0 = {
+        "inbox": stack(h_aval, plan.inbox_slots),
+        "stash": stack(kept_avals, plan.stash_slots),
+        "enter_stash": stack(enter_kept_avals, plan.stash_slots),
+        "grad": stack(h_aval, plan.grad_slots) if with_grad else None,
+        "d_params": _zeros(params, axes) if with_grad else None,
+        "d_first": _zeros(first_params, axes) if with_grad else None,
+        "d_last": _zeros(last_params, axes) if with_grad else None,
+        "d_inputs": _zeros(inputs_mb, axes) if (with_grad and grad_inputs) else None,
+        "loss": zero_loss(),
+    }
+    f32 = jnp.float32
+
+    def step(carry: dict, row: dict) -> tuple[dict, None]:
+        mine = {k: (v[me] if v.ndim else v) for k, v in row.items()}
+        op = mine["op"]
+        mb = jnp.maximum(mine["mb"], 0)
+        v = jnp.maximum(mine["v"], 0)
+        g = v * s + me
+        is_first = g == 0
+        is_last = g == last_stage
+        p = _index(params, v)  # this local stage's parameters
+        x_mb = _index(inputs_mb, mb)
+        t_mb = _index(targets_mb, mb)
+        enter_diff, enter_rest = enter_parts(x_mb)
+
+        zero_out = {
+            "send": zero_h(),
+            "stash": _zeros(kept_avals, axes),
+            "enter_stash": _zeros(enter_kept_avals, axes),
+            "dy": zero_h(),
+            "loss": zero_loss(),
+            "d_params": _zeros(jax.tree.map(lambda a: a[0], params), axes) if with_grad else None,
+            "d_first": _zeros(first_params, axes) if with_grad else None,
+            "d_last": _zeros(last_params, axes) if with_grad else None,
+            "d_x": _zeros(x_mb, axes) if (with_grad and grad_inputs) else None,
+        }
+
+        def idle() -> dict:
+            return zero_out
+
+        def forward() -> dict:
+            out = dict(zero_out)
+
+            def from_inputs() -> tuple[Array, list]:
+                if with_grad:
+                    h, kept = enter_vjp.forward(enter_diff, enter_rest)
+                    return h, kept
+                return enter(first_params, x_mb), []
+
+            def from_inbox() -> tuple[Array, list]:
+                return _index(carry["inbox"], mine["inbox_read"]), _zeros(enter_kept_avals, axes)
+
+            h, out["enter_stash"] = jax.lax.cond(is_first, from_inputs, from_inbox)
+            if with_grad:
+                y, out["stash"] = stage_vjp.forward((p, h), ())
+            else:
+                y = run_stage(p, h)
+
+            def finish() -> tuple:
+                if with_grad:
+                    loss, grads = jax.value_and_grad(last, argnums=(0, 1))(last_params, y, t_mb)
+                    return (cast_varying(loss.astype(f32), loss_axes), grads[1], grads[0])
+                loss = last(last_params, y, t_mb)
+                return cast_varying(loss.astype(f32), loss_axes), zero_h(), None
+
+            def pass_on() -> tuple:
+                return zero_loss(), zero_h(), _zeros(last_params, axes) if with_grad else None
+
+            out["loss"], out["dy"], out["d_last"] = jax.lax.cond(is_last, finish, pass_on)
+            out["send"] = y
+            return out
+
+        def backward(weights: bool, inputs_too: bool) -> Callable[[], dict]:
+            def run() -> dict:
+                out = dict(zero_out)
+                kept = _index(carry["stash"], mine["stash_read"])
+                dy = _index(carry["grad"], mine["grad_read"])
+                d_p, d_h = stage_vjp.backward(p, kept, dy)
+                if weights:
+                    out["d_params"] = cast_varying(d_p, axes)
+                if inputs_too:
+                    d_h = cast_varying(d_h, axes)
+
+                    def leave() -> tuple:
+                        enter_kept = _index(carry["enter_stash"], mine["stash_read"])
+                        grads = enter_vjp.backward(first_params, enter_kept, d_h)
+                        d_x = cast_varying(grads[1], axes) if grad_inputs else None
+                        return cast_varying(grads[0], axes), d_x
+
+                    def stay() -> tuple:
+                        return zero_out["d_first"], zero_out["d_x"]
+
+                    out["d_first"], out["d_x"] = jax.lax.cond(is_first, leave, stay)
+                    out["send"] = d_h
+                return out
+
+            return run
+
+        if with_grad:
+            # B: the input gradient (and, unless split off, the weight gradient); W: the
+            # weight gradient. The first stage's `first` gradient goes with B.
+            split = schedule.split_backward
+            branches = [idle, forward, backward(not split, True), backward(True, False)]
+            out = jax.lax.switch(op, branches)
+        else:
+            out = jax.lax.cond(op == FORWARD, forward, idle)
+
+        new = dict(carry)
+        new["loss"] = carry["loss"] + out["loss"]
+        if with_grad:
+            new["stash"] = _put(carry["stash"], mine["stash_write"], out["stash"], op == FORWARD)
+            new["enter_stash"] = _put(
+                carry["enter_stash"], mine["stash_write"], out["enter_stash"], (op == FORWARD) & is_first
+            )
+            new["grad"] = _put(carry["grad"], mine["grad_local"], out["dy"], (op == FORWARD) & is_last)
+            new["d_params"] = jax.tree.map(
+                lambda acc, d: jax.lax.dynamic_update_index_in_dim(
+                    acc, jax.lax.dynamic_index_in_dim(acc, v, keepdims=False) + d, v, 0
+                ),
+                carry["d_params"], out["d_params"],
+            )  # fmt: skip
+            new["d_first"] = jax.tree.map(jnp.add, carry["d_first"], out["d_first"])
+            new["d_last"] = jax.tree.map(jnp.add, carry["d_last"], out["d_last"])
+            if grad_inputs:
+                new["d_inputs"] = _put(carry["d_inputs"], mb, out["d_x"], (op == BACKWARD) & is_first)
+        # Transfers: activations forward, cotangents backward, only on steps that send.
+        send_f = jnp.where((op == FORWARD) & ~is_last, 1.0, 0.0).astype(h_aval.dtype) * out["send"]
+        received = jax.lax.cond(
+            mine["send_forward"], lambda: _shift(send_f, axis, s, 1, r > 1), zero_h
+        )
+        new["inbox"] = _put(new["inbox"], mine["inbox_write"], received, mine["inbox_write"] >= 0)
+        if with_grad:
+            send_b = jnp.where((op == BACKWARD) & ~is_first, 1.0, 0.0).astype(h_aval.dtype) * out["send"]
+            got = jax.lax.cond(
+                mine["send_backward"], lambda: _shift(send_b, axis, s, -1, r > 1), zero_h
+            )
+            new["grad"] = _put(new["grad"], mine["grad_write"], got, mine["grad_write"] >= 0)
+        return new, None
+
+    carry, _ = jax.lax.scan(step, carry0, xs)
+    # The loss lives on the last stage: every stage gets it (one scalar all-reduce).
+    loss = jax.lax.psum(jnp.where(me == (last_stage % s), carry["loss"], 0.0), axis) / m
+    if not with_grad:
+        return loss, ()
+    scale = 1.0 / m
+    d_inputs = None
+    if grad_inputs:
+        d_inputs = jax.tree.map(lambda a, x: (a * scale).reshape(x.shape), carry["d_inputs"], inputs)
+    grads = jax.tree.map(lambda a: a * scale, (carry["d_params"], carry["d_first"], carry["d_last"]))
+    return loss, (*grads, d_inputs)
+
+
+def _shift(x: Array, axis: str, s: int, offset: int, wrap: bool) -> Array:
+    """Send `x` `offset` devices along `axis` (round the ring only if `wrap`)."""
+    pairs = [(i, (i + offset) % s) for i in range(s) if wrap or 0 <= i + offset < s]
+    return jax.lax.ppermute(x, axis, pairs)
+
+
+def execute_schedule(
+    stage: Callable[[PyTree, Array], Array],
+    params: PyTree,
+    inputs: PyTree,
+    targets: PyTree,
+    *,
+    last: Callable[[PyTree, Array, PyTree], Array],
+    last_params: PyTree = None,
+    first: Callable[[PyTree, PyTree], Array] | None = None,
+    first_params: PyTree = None,
+    schedule: PipelineSchedule,
+    model_axis_name: str,
+) -> Array:
+    """Run a pipeline schedule's forwards and backwards; the mean loss (inside `shard_map`).
+
+    Every device of the stage axis `model_axis_name` holds `R` local stages (global
+    stages `d, d + S, ...`). Micro-batch `m` enters global stage 0 as
+    `first(first_params, inputs[m])` (or `inputs[m]` itself), goes through the `S R`
+    stages and leaves the last one into `last(last_params, y, targets[m])`, a scalar
+    loss. Forwards and backwards run when `schedule`'s table says (see
+    `pipeline_schedule`), activations and cotangents moving between neighbouring
+    stages by collective-permutes; a stage stashes the residuals of the micro-batches
+    it has in flight, no more. Steps where a device is idle run nothing (no stage
+    call, none of its collectives); a transfer runs only on steps where some device
+    sends. See the pipeline guide (docs/guides/pipeline.md).
+
+    The result is differentiable in `params`, `first_params`, `last_params` and, when
+    `first` is `None`, in `inputs` (a custom VJP: the forward runs the whole schedule
+    and keeps the gradients; the backward scales them). `targets` are not
+    differentiated, nor are `inputs` when `first` is given (put what needs a gradient,
+    e.g. an embedding table, in `first_params`).
+
+    **Arguments:**
+
+    - `stage`: `stage(chunk_params, h) -> h'` runs one local stage; `h'` has the shape
+      and dtype of `h`.
+    - `params`: this device's local stages' parameters, a pytree of arrays with a
+      leading axis of size `R` (local stage `v` is `params[v]`).
+    - `inputs`: a pytree of arrays `[B, ...]`, split into `M` micro-batches along the
+      first axis, read by global stage 0.
+    - `targets`: a pytree of arrays `[B, ...]`, split likewise, read by `last`.
+    - `last`: `last(last_params, y, targets_m) -> f32[]`, the loss of one micro-batch
+      (the head: final norm, output layer, cross-entropy).
+    - `last_params`: the head's parameters (a pytree of arrays).
+    - `first`: `first(first_params, inputs_m) -> h` (e.g. the embedding), or `None`.
+    - `first_params`: its parameters.
+    - `schedule`: from `pipeline_schedule` with `S` the size of the stage axis.
+    - `model_axis_name`: the stage axis.
+
+    **Returns:**
+
+    `f32[]`: the mean over micro-batches of `last`'s losses, the same on every stage.
+
+    **Raises:**
+
+    `LayerConfigError` if the stage axis is unbound or of another size than the
+    schedule's, `params` do not have `R` local stages, the batch does not split into
+    `M` micro-batches, or the stage changes the activation's shape or dtype.
+    """
+    axis = model_axis_name
+    size = bound_axis_size(axis)
+    if size is None:
+        raise LayerConfigError(
+            f"execute_schedule: the stage axis {axis!r} is not bound; run it inside "
+            f"`equishard.filter_shard_map` over a mesh with that axis."
+        )
+    if size != schedule.num_stages:
+        raise LayerConfigError(
+            f"execute_schedule: the {schedule.name!r} schedule has "
+            f"{schedule.num_stages} stages but the stage axis {axis!r} has size {size}."
+        )
+    heads = {a.shape[0] if a.ndim else None for a in jax.tree.leaves(params)}
+    if heads and heads != {schedule.repeats}:
+        raise LayerConfigError(
+            f"execute_schedule: params must hold this device's {schedule.repeats} local "
+            f"stage(s) along their leading axis; got leading sizes {sorted(map(str, heads))}."
+        )
+    grad_inputs = first is None and all(
+        jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(inputs)
+    )
+    # Parameters vary like the batch and over the stage axis, once, here: the transposes
+    # of these casts sum each gradient over the data axes and the stages (the head's, the
+    # embedding's) by one all-reduce per array after the schedule, not one per step.
+    axes = frozenset({axis}).union(*(varying_axes(a) for a in jax.tree.leaves((inputs, targets))))
+    params, first_params, last_params = cast_varying((params, first_params, last_params), axes)
+    if grad_inputs:
+        inputs = cast_varying(inputs, axes)
+
+    def run(with_grad: bool, params: PyTree, first_params: PyTree, last_params: PyTree, inputs: PyTree) -> Any:
+        return _run(
+            stage, first, last, params, first_params, last_params, inputs, targets,
+            schedule, axis, axes, grad_inputs, with_grad,
+        )  # fmt: skip
+
+    @jax.custom_vjp
+    def loss_of(params: PyTree, first_params: PyTree, last_params: PyTree, inputs: PyTree) -> Array:
+        return run(False, params, first_params, last_params, inputs)[0]
+
+    def fwd(params: PyTree, first_params: PyTree, last_params: PyTree, inputs: PyTree) -> tuple:
+        loss, grads = run(True, params, first_params, last_params, inputs)
+        return loss, grads
+
+    def bwd(grads: tuple, g: Array) -> tuple:
+        d_params, d_first, d_last, d_inputs = grads
+        scaled = jax.tree.map(lambda a: (a * g).astype(a.dtype), (d_params, d_first, d_last))
+        d_inputs = None if d_inputs is None else jax.tree.map(lambda a: (a * g).astype(a.dtype), d_inputs)
+        return (*scaled, d_inputs)
+
+    loss_of.defvjp(fwd, bwd)
+    return loss_of(params, first_params, last_params, inputs)
