@@ -96,6 +96,7 @@ def _train(args: argparse.Namespace) -> int:
 def _add_train(sub: Any) -> argparse.ArgumentParser:
     from ._app import TrainConfig
     from ._cli_report import add_remat_options
+    from .core import SCHEDULES
     from .models import PRESETS
 
     d = TrainConfig()
@@ -130,6 +131,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
     p.add_argument("--pipeline-repeats", type=int, default=d.pipeline_repeats, help="stages per device with pp (1: GPipe, more: circular)")
+    p.add_argument("--pipeline-schedule", default=d.pipeline_schedule, choices=SCHEDULES, help="pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient accumulation micro-steps per step")
     add_remat_options(p)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate on the validation split every N steps")

@@ -73,12 +73,13 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
         resumed_from = ckpt.latest_step()
     assert resumed_from is not None and resumed_from < STEPS  # killed mid-run
 
-    # Resume under another layout, from FSDP to a pipeline (a copy of the killed run):
-    # the losses continue.
+    # Resume under another layout, from FSDP to a 1F1B pipeline (a copy of the killed
+    # run): the losses continue.
     c = tmp_path / "c"
     # (orbax may be removing the killed write's temporary directory meanwhile: skip it)
     shutil.copytree(b, c, ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
-    assert main(["train", *ARGS, "--layout", "pp=2,dp=2,tp=2", "--run-dir", str(c), "--resume"]) == 0
+    argv = ["train", *ARGS, "--layout", "pp=2,dp=2,tp=2", "--pipeline-schedule", "1f1b"]
+    assert main([*argv, "--run-dir", str(c), "--resume"]) == 0
     want, got = _rows(a), _rows(c)
     for step in range(resumed_from + 1, STEPS + 1):
         assert abs(got[step] - want[step]) <= 1e-4 * want[step], (step, got[step], want[step])

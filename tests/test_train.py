@@ -44,8 +44,9 @@ def _batches():
     return [get_batch(train, i * BATCH, BATCH, SEQ, seed=0) for i in range(STEPS)]
 
 
-def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimizer=None, steps=STEPS, **kw):
-    layout = Layout(spec, sequence_parallel=sequence_parallel)
+def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimizer=None, steps=STEPS,
+           pipeline_schedule=None, **kw):  # fmt: skip
+    layout = Layout(spec, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule)
     mesh = layout.mesh()
     par = layout.parallelism()
     optimizer = optimizer or optax.adamw(3e-3)
@@ -63,8 +64,10 @@ def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimize
 
 
 @functools.cache
-def _losses(spec: str, config: GPTConfig, sequence_parallel: bool = False) -> tuple[float, ...]:
-    _, history = _train(spec, config, sequence_parallel=sequence_parallel)
+def _losses(
+    spec: str, config: GPTConfig, sequence_parallel: bool = False, pipeline_schedule: str | None = None
+) -> tuple[float, ...]:
+    _, history = _train(spec, config, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule)
     return tuple(h["loss"] for h in history)
 
 
@@ -90,6 +93,15 @@ def test_grouped_query_attention_trains_to_the_same_losses(spec):
     assert reference[-1] < reference[0] - 1.0
     for step, (a, b) in enumerate(zip(_losses(spec, GQA), reference)):
         assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
+
+
+@pytest.mark.parametrize("spec, schedule", [("pp=4,dp=2", "1f1b")])
+def test_pipeline_schedules_train_to_the_same_losses(spec, schedule):
+    """The embedding on the first stage, the head and loss on the last, per micro-batch."""
+    reference = _losses("dp=1", DENSE)
+    losses = _losses(spec, DENSE, pipeline_schedule=schedule)
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert abs(a - b) <= 1e-4 * abs(b), (spec, schedule, step, a, b)
 
 
 def test_sequence_parallel_trains_to_the_same_losses():

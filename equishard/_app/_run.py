@@ -76,6 +76,7 @@ class TrainConfig:
     pipeline_repeats: int = 1
     remat: str = "none"
     remat_offload: bool = False
+    pipeline_schedule: str | None = None
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
@@ -191,6 +192,7 @@ class Run:
             sequence_parallel=config.sequence_parallel,
             num_microbatches=config.microbatches,
             pipeline_repeats=config.pipeline_repeats,
+            pipeline_schedule=config.pipeline_schedule,
         )
         devices = list(jax.devices() if devices is None else devices)
         self.mesh: Mesh = self.layout.mesh(devices)

@@ -303,7 +303,7 @@ class GPT(eqx.Module):
             units: Any = PipelineModule(
                 lambda k: _OutputOnly(make_unit(k)), par.pipeline, par.num_microbatches,
                 num_layers=num_units, num_stages=par.num_stages, repeats=par.pipeline_repeats,
-                key=ukey,
+                schedule=par.pipeline_schedule, key=ukey,
             )  # fmt: skip
         else:
             keys = jax.random.split(ukey, num_units)
@@ -393,6 +393,41 @@ class GPT(eqx.Module):
         table = cast_varying(jnp.asarray(self.embed.weight.value), varying_axes(ids))
         return eqx.tree_at(lambda m: m.embed.weight.value, self, table)
 
+    def _scheduled_loss(self, ids: Array, labels: Array) -> tuple[Array, dict[str, Array]]:
+        """The loss with an explicit pipeline schedule (1F1B, interleaved 1F1B, ZB-H1).
+
+        The embedding runs on the first stage and the final norm, head and cross-entropy
+        on the last, micro-batch by micro-batch inside the schedule
+        (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch.
+        """
+        par = self.parallelism
+        embed_arrays, embed_static = eqx.partition(self.embed, eqx.is_array)
+        tail = (self.norm, self.head, None if self.head is not None else self.embed.weight)
+        tail_arrays, tail_static = eqx.partition(tail, eqx.is_array)
+
+        def first(arrays: Any, ids_m: Array) -> Array:
+            return eqx.combine(arrays, embed_static)(ids_m)  # f32[b, T(/tp), D]
+
+        def last(arrays: Any, h: Array, labels_m: Array) -> Array:
+            norm, head, table = eqx.combine(arrays, tail_static)
+            h = norm(h)
+            if head is not None:
+                logits = head(h)
+            else:
+                if par.sequence_parallel:
+                    h = gather_tokens(h, TP)
+                logits = h @ jnp.asarray(table.value).T  # f32[b, T, D] @ f32[D, V/tp]
+            ce = vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels_m, TP)
+            return jnp.mean(ce)
+
+        ce = self.units.loss(
+            ids, labels, first=first, first_params=embed_arrays, last=last,
+            last_params=tail_arrays,
+        )  # fmt: skip
+        if par.data_axes:
+            ce = jax.lax.pmean(ce, par.data_axes)
+        return ce, {"cross_entropy": ce}
+
     def loss(
         self, batch: Int[Array, "batch seq_plus_one"], key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
@@ -412,6 +447,8 @@ class GPT(eqx.Module):
         del key
         par = self.parallelism
         ids, labels = batch[:, :-1], batch[:, 1:]
+        if isinstance(self.units, PipelineModule) and self.units.explicit:
+            return self._scheduled_loss(ids, labels)
         model = self._tie_varying(ids) if self.config.tied else self
         h, aux = model.hidden(ids)
         logits = model.logits(h).astype(jnp.float32)

@@ -37,7 +37,9 @@ class Parallelism:
     - `fsdp`: the axis parameters are fully sharded over, or `None`.
     - `expert`: the expert axis, or `None`.
     - `pipeline`: the stage axis, or `None`; with `num_stages`, `num_microbatches`,
-      `pipeline_repeats` (1: GPipe, more: circular).
+      `pipeline_repeats` (local stages per device) and `pipeline_schedule` (`None`:
+      GPipe for one local stage, circular for more; or a name from
+      `equishard.core.SCHEDULES`).
     - `sequence_parallel`: split activations over the sequence on the tensor axis.
     - `fsdp_min_weight_size`: smaller arrays stay replicated under FSDP.
     """
@@ -52,6 +54,7 @@ class Parallelism:
     num_stages: int = 1
     num_microbatches: int = 1
     pipeline_repeats: int = 1
+    pipeline_schedule: str | None = None
     sequence_parallel: bool = False
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
 
@@ -74,6 +77,9 @@ class Layout:
     - `num_microbatches`: micro-batches per step with a `pp` axis (default: the number
       of stages).
     - `pipeline_repeats`: stages per device with `pp` (1: GPipe; more: circular).
+    - `pipeline_schedule`: the pipeline schedule with `pp`: `"gpipe"`, `"circular"`,
+      `"1f1b"`, `"interleaved-1f1b"` or `"zb-h1"` (`None`: GPipe, or circular with
+      `pipeline_repeats > 1`).
     - `fsdp_min_weight_size`: arrays smaller than this stay replicated under `fsdp`.
     """
 
@@ -81,6 +87,7 @@ class Layout:
     sequence_parallel: bool = False
     num_microbatches: int | None = None
     pipeline_repeats: int = 1
+    pipeline_schedule: str | None = None
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
 
     def axes(self, num_devices: int | None = None) -> dict[str, int]:
@@ -127,6 +134,7 @@ class Layout:
             num_stages=pp or 1,
             num_microbatches=(self.num_microbatches or pp or 1) if pp else 1,
             pipeline_repeats=self.pipeline_repeats,
+            pipeline_schedule=self.pipeline_schedule,
             sequence_parallel=self.sequence_parallel,
             fsdp_min_weight_size=self.fsdp_min_weight_size,
         )
