@@ -8,6 +8,19 @@ from collections.abc import Sequence
 from typing import Any
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default appended once: not where the help already
+    says it, nor for switches (`--no-plot`) and options whose default is "none"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings:
+            return text
+        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def _use_cpu_devices(n: int) -> None:
     """Simulate `n` CPU devices (only affects the CPU backend; call before JAX starts).
 
@@ -109,11 +122,11 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
             "file in 20 held out for validation), under any parallel layout. Writes "
             "<run-dir>/metrics.jsonl, <run-dir>/loss.png and checkpoints."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--config", default=None, metavar="FILE", help="a TOML file of options (any option below, as batch_size = 16 or batch-size = 16); flags given here override it. A run writes its resolved options to <run-dir>/config.toml")
-    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2'")
-    p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model size preset")
+    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2'; one size may be -1 to fill the devices ('fsdp=-1,tp=2')")
+    p.add_argument("--model", default=d.model, choices=list(PRESETS), help="model size preset (the registry inspect and plan share; one too large for this machine is refused)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train for")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="sequence length, in bytes")
@@ -156,8 +169,11 @@ def _apply_config(train: argparse.ArgumentParser, argv: Sequence[str] | None, ar
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `equishard` console script and `python -m equishard`."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="equishard", description="equishard: sharded training for Equinox models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"equishard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = _add_train(sub)
     from ._cli_report import add_report_parsers
 
@@ -168,13 +184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser(
         "demo",
         help="shard an eqx.nn.MLP over simulated CPU devices and print its sharding table",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     demo.add_argument("--layout", default="dp=2,tp=4", help="mesh layout, e.g. dp=2,tp=4")
     demo.add_argument("--devices", type=int, default=8, help="CPU devices to simulate")
     demo.add_argument("--width", type=int, default=256, help="the MLP's input/output width")
     demo.set_defaults(run=_demo)
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `equishard`: what it can do
+        parser.print_help()
+        return 0
     from ._errors import EquishardError
 
     try:

@@ -17,9 +17,13 @@ import re
 import time
 from typing import Any
 
+from ._cli import HelpFormatter
 from ._errors import LayerConfigError, MeshError
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+WIDTH = 120
+"""The columns `inspect` and `plan` fit their output to (`--wide`: no limit)."""
 
 
 def parse_bytes(text: str) -> int:
@@ -80,7 +84,8 @@ def _compile_report(args: argparse.Namespace, num_devices: int) -> tuple[Any, di
     report, facts = gpt_report(
         config, layout, batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=make_optimizer(train), clip_norm=train.clip_norm, devices=devices,
-        name=args.model, optimizer_name="AdamW",
+        name=args.model, optimizer_name="AdamW", dtype=_DTYPES[args.dtype],
+        param_dtype=_DTYPES[args.param_dtype],
     )  # fmt: skip
     return report, facts, layout
 
@@ -137,15 +142,53 @@ def _user_report(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
     return read_report(compiled, mesh=mesh, params=param_table(state.model, mesh), description=description), facts
 
 
+def _width(args: argparse.Namespace) -> int | None:
+    return None if args.wide else WIDTH
+
+
+def _verdict(report: Any, device_memory: int | None, width: int | None) -> str:
+    """The first line: whether the step fits, and its bytes against the minimum."""
+    from ._text import fill, human_bytes
+
+    parts = []
+    memory = report.memory
+    if memory is not None and device_memory is not None:
+        fits = "fits" if memory.peak_bytes <= device_memory else "does NOT fit"
+        parts.append(
+            f"{fits}: peak {human_bytes(memory.peak_bytes)} per device of "
+            f"{human_bytes(device_memory)} ({100 * memory.peak_bytes / device_memory:.1f}%)"
+        )
+    elif memory is not None:
+        parts.append(f"peak memory {human_bytes(memory.peak_bytes)} per device")
+    if report.minimum is not None:
+        parts.append(
+            f"collectives {human_bytes(report.collective_bytes)} per device per step, "
+            f"{report.ratio:.3f} x the analytical minimum ({human_bytes(report.minimum.total)})"
+        )
+    else:
+        parts.append(f"collectives {human_bytes(report.collective_bytes)} per device per step")
+    return fill("verdict: " + "; ".join(parts), width)
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    from .report import format_report
+
     start = time.perf_counter()
     if ":" in args.model:
+        if (args.dtype, args.param_dtype) != ("float32", "float32"):
+            raise LayerConfigError(
+                f"--dtype and --param-dtype apply to the reference GPT's presets; your model "
+                f"{args.model!r} decides its own dtypes (cast in its make_model / loss_fn)."
+            )
         report, facts = _user_report(args)
     else:
         report, facts, _ = _compile_report(args, args.devices)
     if not args.params:
         report = dataclasses.replace(report, params=())
-    print(report)
+    width = _width(args)
+    print(_verdict(report, None, width))
+    print()
+    print(format_report(report, width))
     print(
         f"\ncompiled (not run) in {facts['compile_seconds']:.1f} s after "
         f"{facts['lower_seconds']:.1f} s of tracing; {time.perf_counter() - start:.1f} s in all."
@@ -161,10 +204,15 @@ def _other_argument_bytes(args: argparse.Namespace, layout: Any, num_devices: in
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .report import human_bytes
+    from ._text import fill, human_bytes
+    from .report import DEVICE_PROFILES, format_report
 
     start = time.perf_counter()
-    device_memory = parse_bytes(args.device_memory)
+    profile = DEVICE_PROFILES[args.device] if args.device is not None else None
+    if args.device_memory is not None:
+        device_memory = parse_bytes(args.device_memory)
+    else:
+        device_memory = int(profile.memory_bytes) if profile is not None else 80 * 2**30
     if args.batch_size is None:
         from .report import preset
 
@@ -175,33 +223,42 @@ def _plan(args: argparse.Namespace) -> int:
             par.num_microbatches if par.pipeline else 1
         )
     report, facts, layout = _compile_report(args, args.devices)
-    print(report)
+    width = _width(args)
+    print(_verdict(report, device_memory, width))
+    print()
+    print(format_report(report, width))
     memory = report.memory
-    print("\nEstimate (from the XLA:CPU compiler, which compiled but never ran the step):")
+    lines = []
     state = facts["state_bytes"]
     if memory is not None:
         expected = state + _other_argument_bytes(args, layout, args.devices)
-        print(
-            f"  parameters + optimizer state per device: {human_bytes(state)} by their specs "
+        lines.append(
+            f"parameters + optimizer state per device: {human_bytes(state)} by their specs "
             f"(analytical); the compiled step's arguments {human_bytes(memory.argument_bytes)} "
             f"against {human_bytes(expected)} expected with the batch and counters "
             f"(ratio {memory.argument_bytes / expected:.4f})"
         )
         fits = memory.peak_bytes <= device_memory
-        print(
-            f"  peak per device {human_bytes(memory.peak_bytes)} of {human_bytes(device_memory)}: "
+        lines.append(
+            f"peak per device {human_bytes(memory.peak_bytes)} of {human_bytes(device_memory)}: "
             f"{'fits' if fits else 'does NOT fit'} (an estimate: a GPU or TPU compiler fuses, "
             f"schedules and rematerialises differently)"
         )
     if report.minimum is not None:
-        print(
-            f"  collectives: {human_bytes(report.collective_bytes)} per device per step, "
+        lines.append(
+            f"collectives: {human_bytes(report.collective_bytes)} per device per step, "
             f"analytical minimum {human_bytes(report.minimum.total)} "
             f"(ratio {report.ratio:.3f})"
         )
+    print("\nEstimate (from the XLA:CPU compiler, which compiled but never ran the step):")
+    for line in lines:
+        print(fill("  " + line, width))
+    if profile is not None:
+        print()
+        print("\n".join(fill(line, width) for line in _time_estimate(args, report, profile)))
     total = time.perf_counter() - start
     print(
-        f"  planned in {total:.1f} s ({facts['lower_seconds']:.1f} s tracing, "
+        f"\nplanned in {total:.1f} s ({facts['lower_seconds']:.1f} s tracing, "
         f"{facts['compile_seconds']:.1f} s compiling for {args.devices} devices)"
     )
     return 0
@@ -223,10 +280,77 @@ def add_remat_options(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def step_time_estimate(
+    flops_per_device: float, bytes_per_device: float, profile: Any, dtype: str
+) -> dict[str, float]:
+    """Bounds on a step's time on `profile`'s devices, from its model FLOPs and the bytes
+    each device sends.
+
+    **Returns:**
+
+    `compute_s` (the FLOPs at the device's peak), `communication_s` (the bytes over its
+    link bandwidth), `overlapped_s` (the larger of the two: communication hidden behind
+    compute), `serial_s` (their sum: none hidden), and the MFU each time gives
+    (`mfu_overlapped`, `mfu_serial`).
+    """
+    compute = flops_per_device / profile.peak_flops[dtype]
+    communication = bytes_per_device / profile.link_bandwidth
+    overlapped, serial = max(compute, communication), compute + communication
+    return {
+        "compute_s": compute,
+        "communication_s": communication,
+        "overlapped_s": overlapped,
+        "serial_s": serial,
+        "mfu_overlapped": compute / overlapped if overlapped else 0.0,
+        "mfu_serial": compute / serial if serial else 0.0,
+    }
+
+
+def _time_estimate(args: argparse.Namespace, report: Any, profile: Any) -> list[str]:
+    from .report import gpt_flops_per_token, preset
+
+    tokens = args.batch_size * args.seq_len
+    flops = gpt_flops_per_token(preset(args.model), args.seq_len) * tokens / args.devices
+    peak = profile.peak_flops[args.dtype]
+    e = step_time_estimate(flops, report.collective_bytes, profile, args.dtype)
+    return [
+        f"Step time on {args.devices} x {profile.description} (an estimate, not a measurement):",
+        f"  compute: {flops / 1e12:,.3g} TFLOP of model FLOPs per device at {peak / 1e12:,.0f} "
+        f"TFLOP/s ({args.dtype} peak) = {_duration(e['compute_s'])}",
+        f"  communication: {report.collective_bytes / 2**20:,.1f} MiB per device at "
+        f"{profile.link_bandwidth / 1e9:,.0f} GB/s = {_duration(e['communication_s'])}",
+        f"  estimated step time {_duration(e['overlapped_s'])} to {_duration(e['serial_s'])}, "
+        f"MFU {100 * e['mfu_serial']:.1f}% to {100 * e['mfu_overlapped']:.1f}%, "
+        f"{tokens / e['serial_s']:,.0f} to {tokens / e['overlapped_s']:,.0f} tokens/s",
+        "  assumptions: matrix units at their dense peak (real kernels reach 40-70% of it, so "
+        "the step is slower and MFU lower); model FLOPs 6N + 12 L d T per token (no "
+        "recomputation); the collectives' ring-algorithm bytes at the per-device link "
+        "bandwidth, fully hidden behind compute (the lower time) or not at all (the higher); "
+        "no pipeline bubble, host or input time; HBM traffic not modelled.",
+    ]
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:,.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:,.1f} ms"
+    return f"{seconds * 1e6:,.1f} us"
+
+
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=tuple(_DTYPES), help="compute dtype (the loss casts the parameters to it, as train --dtype does)")
+    p.add_argument("--param-dtype", default="float32", choices=tuple(_DTYPES), help="dtype the parameters and optimizer moments are stored in")
+    p.add_argument("--wide", action="store_true", help=f"print every table at full width (default: fit {WIDTH} columns)")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
     p.add_argument("--pipeline-repeats", type=int, default=1, help="stages per device with pp (1: GPipe, more: circular)")
+
+
+def _device_names() -> list[str]:
+    from .report._flops import DEVICE_PROFILES
+
+    return list(DEVICE_PROFILES)
 
 
 def _model_names() -> list[str]:
@@ -248,7 +372,7 @@ def add_report_parsers(sub: Any) -> None:
             "analytical minimum beside the measured bytes, the compiler's per-device memory "
             "and the per-parameter table."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -259,7 +383,7 @@ def add_report_parsers(sub: Any) -> None:
             f"batch_spec and optionally optimizer and view, as make_train_step takes them"
         ),
     )
-    p.add_argument("--layout", default="dp=2,fsdp=2,tp=2", help="mesh axes, e.g. 'fsdp=4,tp=2' (dp, fsdp, tp, ep, pp)")
+    p.add_argument("--layout", default="dp=2,fsdp=2,tp=2", help="mesh axes, e.g. 'fsdp=4,tp=2' (dp, fsdp, tp, ep, pp); one size may be -1 to fill the devices")
     p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate; the layout must use them all")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length, in tokens")
@@ -277,12 +401,13 @@ def add_report_parsers(sub: Any) -> None:
             "report of `equishard inspect`, the analytical estimate, and whether the step "
             "fits the given device memory (an estimate from the CPU compiler)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help=f"model preset: {names}")
-    p.add_argument("--layout", required=True, help="mesh axes, e.g. 'fsdp=256,tp=8'")
+    p.add_argument("--layout", required=True, help="mesh axes, e.g. 'fsdp=256,tp=8' (dp, fsdp, tp, ep, pp); one size may be -1 to fill the devices")
     p.add_argument("--devices", type=int, required=True, help="devices of the mesh (the layout must use them all)")
-    p.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB")
+    p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the --device's HBM, else 80GiB)")
+    p.add_argument("--device", default=None, choices=sorted(_device_names()), help="the accelerator to estimate the step time and MFU on (peak FLOP/s, HBM, link bandwidth)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: one per data shard and micro-batch)")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length, in tokens")
     _add_layout_options(p)

@@ -48,6 +48,8 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from ._cli import HelpFormatter
+
 _POLL_SECONDS = 0.05
 # Gloo's connection notice, written once per process and peer by its C++ runtime.
 _GLOO_NOTICE = re.compile(
@@ -333,7 +335,7 @@ def add_launch_parser(sub: Any) -> None:
             "with their id; stop all if one fails. `equishard train` joins the run by "
             "itself; other programs call equishard.distributed.initialize()."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         usage="equishard launch [-h] [-n N] [--devices DEVICES] [--grace SECONDS] -- COMMAND ...",
     )
     p.add_argument("-n", "--num-processes", type=int, default=2, help="processes to start")

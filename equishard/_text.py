@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 
@@ -25,21 +26,70 @@ def human_bytes(n: float | int, digits: int = 2) -> str:
 
 
 def text_table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], total: Sequence[str] | None = None
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    total: Sequence[str] | None = None,
+    *,
+    width: int | None = None,
 ) -> str:
     """Left-aligned columns two spaces apart: the header, a rule, the rows, and optionally
-    a rule and a total row (trailing spaces stripped)."""
+    a rule and a total row (trailing spaces stripped).
+
+    **Arguments:**
+
+    - `header`, `rows`, `total`: the cells, as text.
+    - `width`: the most columns a line may take (`None`: no limit). The widest columns
+      are narrowed, down to their header's width, and their cells wrapped onto
+      continuation lines (the other columns blank there).
+
+    **Returns:**
+
+    The table as a string.
+    """
     everything = [header, *rows, *([total] if total is not None else [])]
     widths = [max(len(r[i]) for r in everything) for i in range(len(header))]
+    if width is not None:
+        widths = _fit(widths, [max(len(h), 8) for h in header], width)
 
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+    def lines(row: Sequence[str]) -> list[str]:
+        cells = [_wrap(cell, w) for cell, w in zip(row, widths)]
+        return [
+            "  ".join((c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)).rstrip()
+            for k in range(max(map(len, cells)))
+        ]
 
     rule = "  ".join("-" * w for w in widths)
-    out = [line(header), rule, *map(line, rows)]
+    out = [*lines(header), rule, *(line for row in rows for line in lines(row))]
     if total is not None:
-        out += [rule, line(total)]
+        out += [rule, *lines(total)]
     return "\n".join(out)
+
+
+def _fit(widths: list[int], floors: list[int], width: int) -> list[int]:
+    """Narrow the widest column, one character at a time, until the table fits `width`
+    or no column is above its floor."""
+    widths = list(widths)
+    while sum(widths) + 2 * (len(widths) - 1) > width:
+        wider = [i for i, w in enumerate(widths) if w > floors[i]]
+        if not wider:
+            break
+        widths[max(wider, key=lambda i: widths[i])] -= 1
+    return widths
+
+
+def _wrap(cell: str, width: int) -> list[str]:
+    """A cell as lines of at most `width` characters (broken at spaces where it can)."""
+    if len(cell) <= width:
+        return [cell]
+    return textwrap.wrap(cell, width, break_on_hyphens=False) or [""]
+
+
+def fill(text: str, width: int | None) -> str:
+    """`text` wrapped at spaces to `width` columns (unchanged for `None`), continuation
+    lines indented by two spaces."""
+    if width is None or len(text) <= width:
+        return text
+    return textwrap.fill(text, width, subsequent_indent="  ", break_on_hyphens=False)
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:

@@ -50,6 +50,25 @@ def tiny_run(tmp_path_factory):
     return summary, lines, rows, run_dir
 
 
+def test_matmul_parameters_are_the_models_but_embedding_and_norms():
+    """`N` of 6N counts every weight a token is multiplied by: the model's parameters
+    less the embedding lookup and the norms (Llama 3 8B: grouped-query attention)."""
+    import equinox as eqx
+    import jax
+
+    from equishard.models import GPT
+    from equishard.report import gpt_matmul_parameters
+
+    for name in ("tiny", "llama3-8b"):
+        c = PRESETS[name]
+        model = eqx.filter_eval_shape(lambda: GPT(c, key=jax.random.key(0)))
+        leaves = jax.tree_util.tree_leaves_with_path(model)
+        count = sum(x.size for path, x in leaves if "embed" not in jax.tree_util.keystr(path)
+                    and "norm" not in jax.tree_util.keystr(path))  # fmt: skip
+        head = c.d_model * c.vocab_size if c.tied else 0  # a tied head is the embedding
+        assert gpt_matmul_parameters(c) == count + head, name
+
+
 def test_flops_per_token_is_6n_plus_attention():
     c = PRESETS["tiny"]  # d_model 64, 2 layers, d_ff 128, 256 bytes
     matmul = c.n_layers * (4 * 64 * 64 + 3 * 64 * 128) + 64 * 256  # blocks, then the head

@@ -35,7 +35,8 @@ print(equishard("inspect", "--model", "tiny", "--layout", "fsdp=4,tp=2",
 
 # --8<-- [start:plan]
 print(equishard("plan", "--model", "gpt2-small", "--layout", "fsdp=16,tp=4",
-                "--devices", "64", "--device-memory", "16GiB"))
+                "--devices", "64", "--device-memory", "16GiB", "--device", "h100",
+                "--dtype", "bfloat16"))
 # --8<-- [end:plan]
 
 # --8<-- [start:own]

@@ -63,17 +63,23 @@ class Throughput:
         return self.rates(self.steps, self.seconds)
 
 
-def peak_memory_bytes(devices: list[Any] | None = None) -> int | None:
-    """The largest peak of memory in use over this process's devices, or `None` where the
-    backend reports none (the CPU)."""
-    peaks = []
-    for device in jax.local_devices() if devices is None else devices:
+def device_memory_stat(devices: list[Any], key: str) -> list[int]:
+    """`memory_stats()[key]` of each device that reports it (none on the CPU)."""
+    values = []
+    for device in devices:
         try:
             stats = device.memory_stats()
         except Exception:  # a backend without the query raises rather than returning None
             stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
+        if stats and key in stats:
+            values.append(int(stats[key]))
+    return values
+
+
+def peak_memory_bytes(devices: list[Any] | None = None) -> int | None:
+    """The largest peak of memory in use over this process's devices, or `None` where the
+    backend reports none (the CPU)."""
+    peaks = device_memory_stat(jax.local_devices() if devices is None else devices, "peak_bytes_in_use")
     return max(peaks) if peaks else None
 
 

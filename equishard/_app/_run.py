@@ -27,16 +27,30 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import CheckpointError, LayerConfigError, TrainingError
+from .._text import human_bytes
 from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
 from ..models import GPT, PRESETS, GPTConfig, cast_floating, count_parameters
 from ..models._gpt import canonical_path, to_single_device
 from ..nn import remat_policy
-from ..report._flops import DeviceProfile, device_profile, gpt_flops_per_token
+from ..report._flops import (
+    DeviceProfile,
+    device_profile,
+    gpt_flops_per_token,
+    gpt_matmul_parameters,
+)
 from ..sharding import Layout, filter_shard_map, format_param_table, gather
 from ..train import TrainState, export_model, init_train_state, make_train_step
 from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
-from ._log import Clock, Throughput, peak_memory_bytes, rate_summary, step_line, time_summary
+from ._log import (
+    Clock,
+    Throughput,
+    device_memory_stat,
+    peak_memory_bytes,
+    rate_summary,
+    step_line,
+    time_summary,
+)
 
 if TYPE_CHECKING:
     from ..train import Checkpointer
@@ -114,7 +128,7 @@ def check_options(config: TrainConfig) -> None:
 
     `LayerConfigError` naming the option and the value.
     """
-    if config.model not in PRESETS:
+    if config.model not in PRESETS:  # the command line's choices; a config file's names
         raise LayerConfigError(
             f"unknown model preset {config.model!r}; choose one of {', '.join(PRESETS)}."
         )
@@ -181,6 +195,36 @@ def _check(config: TrainConfig, layout: Layout, num_devices: int) -> None:
         )
 
 
+def machine_memory(devices: list) -> tuple[int, str]:
+    """The memory `devices` have together, and what it is: on accelerators the sum of
+    their memory limits, on the CPU (simulated devices share it) the host's RAM."""
+    limits = device_memory_stat(devices, "bytes_limit")
+    if limits and len(limits) == len(devices):
+        return sum(limits), f"the {len(devices)} {devices[0].platform} devices' memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+
+
+def check_fits_machine(name: str, model: Any, devices: list) -> None:
+    """Refuse a preset whose parameters, gradients and AdamW moments (16 bytes per
+    parameter in float32) exceed the memory of `devices`, before anything is built.
+
+    **Raises:**
+
+    `LayerConfigError` with the bytes needed and had, pointing to `equishard plan`.
+    """
+    parameters = gpt_matmul_parameters(model) + model.vocab_size * model.d_model * (not model.tied)
+    need = 16 * parameters
+    have, what = machine_memory(devices)
+    if need > have:
+        raise LayerConfigError(
+            f"--model {name}: its {parameters / 1e9:.1f} B parameters need at least "
+            f"{human_bytes(need)} for the parameters, gradients and AdamW moments (16 bytes "
+            f"each in float32), more than {what} ({human_bytes(have)}). Train it on a "
+            f"cluster; `equishard plan --model {name} --layout ... --devices N` estimates "
+            f"a layout for it."
+        )
+
+
 class Run:
     """A training run's pieces, built from a `TrainConfig` (see `run`)."""
 
@@ -197,6 +241,7 @@ class Run:
         devices = list(jax.devices() if devices is None else devices)
         self.mesh: Mesh = self.layout.mesh(devices)
         _check(config, self.layout, len(devices))
+        check_fits_machine(config.model, PRESETS[config.model], devices)
         self.parallelism = self.layout.parallelism(len(devices))
         self.model_config = dataclasses.replace(
             PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload
@@ -308,8 +353,9 @@ def sample_text(model: GPT, prompt: bytes, length: int, *, seq_len: int, key: An
     return bytes(out[len(prompt) :])
 
 
-def plot_losses(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
-    """Save the train and validation loss curves of `metrics.jsonl` rows as a PNG."""
+def plot_losses(rows: list[dict[str, Any]], path: pathlib.Path, title: str | None = None) -> None:
+    """Save the train and validation loss curves of `metrics.jsonl` rows as a PNG (at 2x
+    resolution, whole-number step ticks, `title` above)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,12 +368,17 @@ def plot_losses(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
         ax.plot(*zip(*train), label="train")
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
+    if title:
+        ax.set_title(title)
     ax.set_ylabel("loss (nats per byte)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=240)  # 2x: sharp on high-density screens
     plt.close(fig)
 
 
@@ -645,7 +696,8 @@ def _train(
 
     phases.timed("checkpoint", final_checkpoint)
     if config.plot and coordinator:
-        phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png"))
+        title = f"{config.model} GPT, layout {config.layout}, {config.dtype}"
+        phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png", title))
     # The trained network as a plain one-device Equinox model (eqx.tree_serialise_leaves).
     exported = phases.timed(
         "export", lambda: export_model(to_single_device(gather(state.model)), run_dir / "model.eqx")

@@ -113,14 +113,16 @@ def device_profile(kind: str) -> DeviceProfile | None:
 def gpt_matmul_parameters(config: GPTConfig) -> int:
     """`N` of the FLOPs formula: the weights one token is multiplied by in a forward pass.
 
-    Per block: `qkv` and `proj` (`4 d²`) and the SwiGLU MLP (`3 d·d_ff`), or for a
-    mixture-of-experts block the router (`d·E`) and `top_k` experts (`2 d·d_ff` each);
-    then the output head (`d·V`, tied or not).
+    Per block: the query and output projections (`2 d²`), the keys' and values'
+    (`2 d·d_kv`, `d_kv = n_kv_heads · d / n_heads` under grouped-query attention) and the
+    SwiGLU MLP (`3 d·d_ff`), or for a mixture-of-experts block the router (`d·E`) and
+    `top_k` experts (`2 d·d_ff` each); then the output head (`d·V`, tied or not).
     """
     d = config.d_model
     moe_blocks = config.n_layers // config.moe_every if config.moe_every else 0
     dense_blocks = config.n_layers - moe_blocks
-    attention = 4 * d * d
+    kv_heads = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+    attention = 2 * d * d + 2 * d * (kv_heads * (d // config.n_heads))
     dense = attention + 3 * d * config.d_ff
     moe = attention + d * config.num_experts + config.top_k * 2 * d * config.d_ff
     return dense_blocks * dense + moe_blocks * moe + d * config.vocab_size

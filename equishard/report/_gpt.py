@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import LayerConfigError, MeshError
-from ..models import GPT, PRESETS, GPTConfig
+from ..models import GPT, PRESETS, GPTConfig, cast_floating
 from ..sharding import Layout, param_table, specs_of
 from ..sharding._specs import is_array_like, is_spec
 from ..train import TrainState, init_train_state, make_train_step
@@ -146,6 +146,8 @@ def abstract_train_step(
     optimizer: optax.GradientTransformation,
     clip_norm: float | None = None,
     devices: list | None = None,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
 ) -> AbstractStep:
     """Lower the real GPT train step for `layout` without creating any array.
 
@@ -159,6 +161,10 @@ def abstract_train_step(
     - `clip_norm`: the global-norm clipping threshold of `make_train_step` (`None`:
       no clipping).
     - `devices`: the devices of the mesh (default: all of JAX's devices).
+    - `dtype`: the compute dtype: the loss casts the parameters to it, as
+      `equishard train --dtype` does.
+    - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
+      in.
 
     **Returns:**
 
@@ -175,12 +181,13 @@ def abstract_train_step(
     par = layout.parallelism(len(devices))
     state = eqx.filter_eval_shape(
         lambda: init_train_state(
-            lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh
+            lambda k: cast_floating(GPT(config, par, key=k), param_dtype), optimizer,
+            jax.random.key(0), mesh=mesh,
         )
     )
     state = _abstract(state, mesh)
     step = make_train_step(
-        lambda model, batch, key: model.loss(batch, key),
+        lambda model, batch, key: cast_floating(model, dtype).loss(batch, key),
         optimizer,
         mesh=mesh,
         batch_spec=layout.batch_spec(len(devices)),
@@ -212,6 +219,8 @@ def gpt_report(
     devices: list | None = None,
     name: str | None = None,
     optimizer_name: str | None = None,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
 ) -> tuple[StepReport, dict[str, float]]:
     """Compile the reference GPT's train step for `layout` and report on it.
 
@@ -225,6 +234,8 @@ def gpt_report(
     - `devices`: the devices of the mesh (default: all of JAX's devices).
     - `name`, `optimizer_name`: the model's and the optimizer's names for the
       description line.
+    - `dtype`, `param_dtype`: the compute and parameter dtypes (see
+      `abstract_train_step`).
 
     **Returns:**
 
@@ -235,7 +246,7 @@ def gpt_report(
     """
     step = abstract_train_step(
         config, layout, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-        clip_norm=clip_norm, devices=devices,
+        clip_norm=clip_norm, devices=devices, dtype=dtype, param_dtype=param_dtype,
     )  # fmt: skip
     start = time.perf_counter()
     compiled = step.lowered.compile()
@@ -255,7 +266,8 @@ def gpt_report(
         + f", d_ff {config.d_ff}, vocabulary "
         f"{config.vocab_size}); layout {layout.spec} on {step.mesh.devices.size} "
         f"{step.mesh.devices.flat[0].platform.upper()} devices; batch {batch_size} x "
-        f"{seq_len} tokens; float32"
+        f"{seq_len} tokens; {jnp.dtype(dtype).name} compute, {jnp.dtype(param_dtype).name} "
+        f"parameters"
     ) + (f"; {optimizer_name}" if optimizer_name else "")
     r = report(compiled, mesh=step.mesh, params=rows, minimum=minimum, description=description)
     facts = {

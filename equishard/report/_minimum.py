@@ -267,12 +267,13 @@ class Minimum:
         return format_minimum(self)
 
 
-def format_minimum(minimum: Minimum) -> str:
+def format_minimum(minimum: Minimum, width: int | None = None) -> str:
     """A plain-text table of a minimum's terms with its totals.
 
     **Arguments:**
 
     - `minimum`: a `Minimum`.
+    - `width`: the most columns a line takes (`None`: no limit; see `text_table`).
 
     **Returns:**
 
@@ -284,7 +285,7 @@ def format_minimum(minimum: Minimum) -> str:
         for t in minimum.terms
     ]
     total = ("total", "", "", "", "", human_bytes(minimum.total), human_bytes(minimum.ideal_total))
-    return text_table(header, rows, total)
+    return text_table(header, rows, total, width=width)
 
 
 # ------------------------------------------------------------- the reference GPT

@@ -18,7 +18,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from .._text import human_bytes, text_table
+from .._text import fill, human_bytes, text_table
 from ..sharding import ParamRow
 from ._axes import collective_axes
 from ._hlo import CollectiveOp, compiled_program, format_shapes, read_collectives
@@ -206,8 +206,9 @@ def _axes_text(axes: tuple[str, ...] | None) -> str:
     return "?" if axes is None else ",".join(axes) or "-"
 
 
-def format_collectives(collectives: Sequence[CollectiveRow]) -> str:
-    """The collectives as a table, one row each, with the total per step."""
+def format_collectives(collectives: Sequence[CollectiveRow], width: int | None = None) -> str:
+    """The collectives as a table, one row each, with the total per step (`width`: the
+    most columns a line takes, as `text_table` fits it)."""
     header = ("kind", "axes", "n", "count", "operands", "bytes/device", "total/step")
     rows = [
         (
@@ -223,11 +224,12 @@ def format_collectives(collectives: Sequence[CollectiveRow]) -> str:
     ]
     total_bytes = sum(c.total_bytes for c in collectives)
     total = ("total", "", "", str(sum(c.count for c in collectives)), "", "", human_bytes(total_bytes))
-    return text_table(header, rows, total)
+    return text_table(header, rows, total, width=width)
 
 
-def format_params(rows: Sequence[ParamRow]) -> str:
-    """The per-parameter table: path, global shape, dtype, spec, bytes per device."""
+def format_params(rows: Sequence[ParamRow], width: int | None = None) -> str:
+    """The per-parameter table: path, global shape, dtype, spec, bytes per device
+    (`width` as in `format_collectives`)."""
     header = ("parameter", "global shape", "dtype", "spec", "bytes/device")
     body = [
         (
@@ -241,7 +243,7 @@ def format_params(rows: Sequence[ParamRow]) -> str:
     ]
     per_device = sum(r.bytes_per_device for r in rows)
     total = ("total", "", "", "", human_bytes(per_device))
-    return text_table(header, body, total)
+    return text_table(header, body, total, width=width)
 
 
 def format_memory(memory: MemoryStats) -> str:
@@ -257,12 +259,14 @@ def format_memory(memory: MemoryStats) -> str:
     return "\n".join(f"{name.ljust(width)}  {human_bytes(value)}" for name, value in lines)
 
 
-def format_report(r: StepReport) -> str:
+def format_report(r: StepReport, width: int | None = None) -> str:
     """The whole report as text: collectives, the comparison with the minimum, memory, parameters.
 
     **Arguments:**
 
     - `r`: a `StepReport`.
+    - `width`: the most columns a line takes (`None`: no limit); wide table columns and
+      long lines are wrapped to fit (`equishard inspect` uses 120, `--wide` none).
 
     **Returns:**
 
@@ -271,30 +275,32 @@ def format_report(r: StepReport) -> str:
     axes = ", ".join(f"{k}={v}" for k, v in r.mesh_shape.items())
     out = []
     if r.description:
-        out.append(r.description)
+        out.append(fill(r.description, width))
     out += [
         "",
-        f"Collectives per step (bytes each device sends, ring algorithms; mesh {axes or '?'}):",
-        format_collectives(r.collectives),
+        fill(f"Collectives per step (bytes each device sends, ring algorithms; mesh {axes or '?'}):", width),
+        format_collectives(r.collectives, width),
     ]
     by_axes = r.bytes_by_axes()
     if len(by_axes) > 1:
-        out.append(
+        out.append(fill(
             "by axes: "
-            + ", ".join(f"{_axes_text(a)} {human_bytes(b)}" for a, b in sorted(by_axes.items(), key=lambda kv: -kv[1]))
-        )
+            + ", ".join(f"{_axes_text(a)} {human_bytes(b)}" for a, b in sorted(by_axes.items(), key=lambda kv: -kv[1])),
+            width,
+        ))  # fmt: skip
     if r.minimum is not None:
         out += ["", "Analytical minimum (see equishard.report's documentation for each formula):"]
-        out.append(format_minimum(r.minimum))
+        out.append(format_minimum(r.minimum, width))
         ratio = r.ratio
         ideal = r.collective_bytes / r.minimum.ideal_total if r.minimum.ideal_total else math.nan
-        out.append(
+        out.append(fill(
             f"measured {human_bytes(r.collective_bytes)} / minimum {human_bytes(r.minimum.total)} "
             f"= {ratio:.3f}"
-            + (f" (over the bubble-free textbook figure: {ideal:.3f})" if r.minimum.ideal_total != r.minimum.total else "")
-        )
+            + (f" (over the bubble-free textbook figure: {ideal:.3f})" if r.minimum.ideal_total != r.minimum.total else ""),
+            width,
+        ))  # fmt: skip
     if r.memory is not None:
         out += ["", "Memory per device (the compiler's memory analysis):", format_memory(r.memory)]
     if r.params:
-        out += ["", "Parameters:", format_params(r.params)]
+        out += ["", "Parameters:", format_params(r.params, width)]
     return "\n".join(out)

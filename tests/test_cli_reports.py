@@ -1,0 +1,104 @@
+"""`equishard inspect` and `plan` on a terminal: 120 columns, the verdict first, dtypes,
+the step-time estimate on a device profile."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from equishard import __version__
+from equishard._cli import main
+from equishard._cli_report import WIDTH, step_time_estimate
+from equishard._text import text_table
+from equishard.models import PRESETS
+from equishard.report import DeviceProfile
+
+PLAN = ["plan", "--model", "tiny", "--layout", "fsdp=4,tp=2", "--devices", "8", "--seq-len", "32"]
+
+
+def _run(argv: list[str], capsys) -> list[str]:
+    assert main(argv) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _param_total(lines: list[str]) -> list[str]:
+    at = lines.index("Parameters:")
+    return next(line for line in lines[at:] if line.startswith("total")).split()[-2:]
+
+
+def test_text_tables_wrap_their_widest_columns_to_fit():
+    rows = [("a" * 10, "word " * 30, "1.00 KiB"), ("b", "short", "2 B")]
+    table = text_table(("name", "description", "bytes/device"), rows, width=60)
+    lines = table.splitlines()
+    assert max(map(len, lines)) <= 60
+    assert " ".join(" ".join(line.split()[1:-2]) for line in lines[2:5]).startswith("word word")
+    assert lines[-1].split() == ["b", "short", "2", "B"]
+    assert text_table(("x",), [("y" * 80,)]) == "\n".join(["x", "-" * 80, "y" * 80])  # no width
+
+
+def test_inspect_fits_120_columns_with_the_verdict_first(capsys):
+    lines = _run(["inspect", "--model", "tiny", "--seq-len", "32"], capsys)
+    assert lines[0].startswith("verdict: peak memory ") and "x the analytical minimum" in lines[0]
+    assert max(map(len, lines)) <= WIDTH, max(lines, key=len)
+
+
+def test_plan_on_an_h100_and_with_bfloat16_parameters(capsys):
+    f32 = _run([*PLAN, "--device", "h100"], capsys)
+    assert re.match(r"verdict: fits: peak .* per device of 74\.51 GiB", f32[0])  # H100: 80 GB
+    assert max(map(len, f32)) <= WIDTH
+    at = f32.index("Step time on 8 x NVIDIA H100 SXM (an estimate, not a measurement):")
+    estimate = " ".join(f32[at:])
+    assert re.search(r"estimated step time [\d.]+ \w+ to [\d.]+ \w+, MFU [\d.]+% to [\d.]+%", estimate)
+    assert "assumptions: matrix units at their dense peak" in estimate
+    bf16 = _run([*PLAN, "--param-dtype", "bfloat16", "--wide"], capsys)
+    assert "float32 compute, bfloat16 parameters" in bf16[2]
+    (value, unit), (half, half_unit) = _param_total(f32), _param_total(bf16)
+    assert unit == half_unit and abs(float(half) - float(value) / 2) <= 0.005  # 2 decimals printed
+    assert "Step time on" not in "\n".join(bf16)  # no --device: no time estimate
+
+
+def test_the_step_time_estimate_is_flops_over_peak_and_bytes_over_links():
+    profile = DeviceProfile("test", "a test device", {"bfloat16": 100.0}, 1.0, 1.0, 10.0)
+    e = step_time_estimate(300.0, 20.0, profile, "bfloat16")
+    assert (e["compute_s"], e["communication_s"]) == (3.0, 2.0)
+    assert (e["overlapped_s"], e["serial_s"]) == (3.0, 5.0)
+    assert (e["mfu_overlapped"], e["mfu_serial"]) == (1.0, 0.6)
+
+
+# ----------------------------------------------------------------- the command line
+
+
+def test_version_and_bare_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"equishard {__version__}"
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: equishard") and all(c in out for c in ("train", "inspect", "plan", "launch"))
+
+
+@pytest.mark.parametrize("command", ["train", "inspect", "plan", "launch", "demo"])
+def test_help_says_each_default_once(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    options = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    for option in options:
+        assert option.count("default") <= 1, option
+    if command in ("train", "inspect", "plan"):
+        layout = next(o for o in options if o.startswith("--layout"))
+        assert "-1 to fill the devices" in " ".join(layout.split())
+
+
+def test_one_preset_registry_and_train_refuses_what_cannot_fit(tmp_path, capsys):
+    for command in ("train", "inspect", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(name in text for name in PRESETS), command
+    assert main(["train", "--model", "llama3-405b", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"--model llama3-405b: its \d+\.\d B parameters need at least [\d.]+ TiB", err), err
+    assert "equishard plan --model llama3-405b" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
