@@ -27,6 +27,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -378,9 +379,76 @@ class FSDP(eqx.Module):
         if self.mean_grads and is_bound(self.axis_name):
             check_local_loss_convention("FSDP(mean_grads=True) / shard_module_params", self.axis_name)
         operands = (self.module, args, kwargs)
+        return _call_unit_once_per_batch(operands, self._call_unit)
+
+    def _call_unit(self, operands: Any) -> Any:
         if self.regather:
             return _call_regathering(operands, self._config())
         return self._config().call(operands, operands[1:])
+
+
+def _call_unit_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
+    """`call(operands)`; under `vmap`s outside the unit (its inputs batch tracers),
+    with each `vmap` moved inside it (`_call_once_per_batch`)."""
+    if any(isinstance(x, BatchTracer) for x in jax.tree.leaves(operands)):
+        return _call_once_per_batch(operands, call)
+    return call(operands)
+
+
+class _OverExamples(eqx.Module):
+    """A module called on a batch of inputs, one example at a time (`jax.vmap`)."""
+
+    module: PyTree
+    static_inputs: Any = eqx.field(static=True)
+    in_axes: Any = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        def one(dynamic: Any) -> Any:
+            args, kwargs = eqx.combine(dynamic, self.static_inputs)
+            return self.module(*args, **kwargs)
+
+        dynamic = eqx.partition((args, kwargs), eqx.is_array)[0]
+        return jax.vmap(one, in_axes=(self.in_axes,))(dynamic)
+
+
+def _call_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
+    """`call(operands)` under a `vmap` outside the unit, with the parameters gathered once.
+
+    A `vmap` over the examples would batch the unit's custom gradient, and with it the
+    reduce-scatter of every parameter's gradient: one per example. Its batching rule
+    instead moves the `vmap` inside the unit, around the wrapped module's call: the
+    parameters are gathered once per batch, their gradients summed over the examples
+    and then reduce-scattered once.
+    """
+    dynamic, static = eqx.partition(operands, eqx.is_array)
+    out_static: list[Any] = []
+
+    def arrays_of(out: Any) -> Any:
+        arrays, rest = eqx.partition(out, eqx.is_array)
+        out_static.append(rest)
+        return arrays
+
+    @jax.custom_batching.custom_vmap
+    def per_example(dynamic: Any) -> Any:
+        return arrays_of(call(eqx.combine(dynamic, static)))
+
+    @per_example.def_vmap
+    def over_examples(axis_size: int, in_batched: Any, dynamic: Any) -> Any:
+        del axis_size
+        module, args, kwargs = eqx.combine(dynamic, static)
+        ((module_batched, args_batched, kwargs_batched),) = in_batched
+        if any(jax.tree.leaves(module_batched)):  # per-example parameters: nothing to share
+            in_axes = jax.tree.map(lambda b: 0 if b else None, in_batched[0])
+            out = jax.vmap(lambda d: call(eqx.combine(d, static)), in_axes=(in_axes,))(dynamic)
+        else:
+            in_axes = jax.tree.map(lambda b: 0 if b else None, (args_batched, kwargs_batched))
+            static_inputs = eqx.partition((args, kwargs), eqx.is_array)[1]
+            # Further `vmap`s outside this one move inside the unit too.
+            out = _call_unit_once_per_batch((_OverExamples(module, static_inputs, in_axes), args, kwargs), call)
+        arrays = arrays_of(out)
+        return arrays, jax.tree.map(lambda _: True, arrays)
+
+    return eqx.combine(per_example(dynamic), out_static[-1])
 
 
 def shard_module_params(
