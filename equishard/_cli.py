@@ -125,7 +125,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--config", default=None, metavar="FILE", help="a TOML file of options (any option below, as batch_size = 16 or batch-size = 16); flags given here override it. A run writes its resolved options to <run-dir>/config.toml")
-    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2'; one size may be -1 to fill the devices ('fsdp=-1,tp=2')")
+    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), cp (context: the sequence), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2' or 'dp=2,cp=4'")
     p.add_argument("--model", default=d.model, choices=list(PRESETS), help="model size preset (the registry inspect and plan share; one too large for this machine is refused)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train for")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
@@ -142,6 +142,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=d.run_dir, help="where metrics.jsonl and loss.png go")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"), help="compute dtype (master weights stay float32)")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
+    p.add_argument("--cp-impl", default=d.cp_impl, choices=("ring", "alltoall"), help="attention over a cp axis (the sequence split in zigzag order): ring attention or all-to-all (Ulysses)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
     p.add_argument("--pipeline-repeats", type=int, default=d.pipeline_repeats, help="stages per device with pp (1: GPipe, more: circular)")
     p.add_argument("--pipeline-schedule", default=d.pipeline_schedule, choices=SCHEDULES, help="pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)")

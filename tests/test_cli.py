@@ -90,6 +90,31 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_context_parallel_run_continues_the_curve_and_resumes_without_cp(uninterrupted, tmp_path):
+    """From step 16 on dp=2,cp=4 (ring, zigzag batches) to 24; its step-20 checkpoint then
+    resumes on the non-cp layout: both continue the uninterrupted curve within 1e-4."""
+    a = uninterrupted / "a"
+
+    def keep_up_to(run: pathlib.Path, last: int) -> None:
+        for d in (run / "checkpoints").iterdir():
+            if d.name.isdigit() and int(d.name) > last:
+                shutil.rmtree(d)
+
+    cp_run = tmp_path / "cp"
+    shutil.copytree(a, cp_run)
+    keep_up_to(cp_run, 16)
+    assert main(["train", *ARGS, "--layout", "dp=2,cp=4", "--run-dir", str(cp_run), "--resume"]) == 0
+    back = tmp_path / "back"
+    shutil.copytree(cp_run, back)
+    keep_up_to(back, 20)
+    assert main(["train", *ARGS, "--layout", LAYOUT, "--run-dir", str(back), "--resume"]) == 0
+    want = _rows(a)
+    for run, first in ((cp_run, 17), (back, 21)):
+        got = _rows(run)
+        for step in range(first, STEPS + 1):
+            assert abs(got[step] - want[step]) <= 1e-4 * want[step], (run.name, step, got[step], want[step])
+
+
 def _error(capsys) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err

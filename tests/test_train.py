@@ -12,7 +12,7 @@ import pytest
 
 import equishard as es
 from equishard._app import get_batch, load_stdlib_corpus
-from equishard.models import GPT, GPTConfig, cast_floating
+from equishard.models import GPT, GPTConfig, cast_floating, token_batch
 from equishard.report import collective_bytes, read_collectives
 from equishard.sharding import Layout
 from equishard.train import init_train_state, make_train_step
@@ -45,8 +45,8 @@ def _batches():
 
 
 def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimizer=None, steps=STEPS,
-           pipeline_schedule=None, **kw):  # fmt: skip
-    layout = Layout(spec, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule)
+           pipeline_schedule=None, cp_impl="ring", **kw):  # fmt: skip
+    layout = Layout(spec, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule, cp_impl=cp_impl)
     mesh = layout.mesh()
     par = layout.parallelism()
     optimizer = optimizer or optax.adamw(3e-3)
@@ -57,7 +57,10 @@ def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimize
 
     step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), **kw)
     history = []
+    cp = par.size(par.context)
     for batch in _batches()[:steps]:
+        if cp > 1:  # inputs, labels, positions [B, S] in zigzag order
+            batch = token_batch(batch, cp)
         state, metrics = step(state, batch)
         history.append({k: float(v) for k, v in metrics.items()})
     return state, history
@@ -65,9 +68,10 @@ def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimize
 
 @functools.cache
 def _losses(
-    spec: str, config: GPTConfig, sequence_parallel: bool = False, pipeline_schedule: str | None = None
+    spec: str, config: GPTConfig, sequence_parallel: bool = False, pipeline_schedule: str | None = None,
+    cp_impl: str = "ring",
 ) -> tuple[float, ...]:
-    _, history = _train(spec, config, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule)
+    _, history = _train(spec, config, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule, cp_impl=cp_impl)
     return tuple(h["loss"] for h in history)
 
 
@@ -102,6 +106,18 @@ def test_pipeline_schedules_train_to_the_same_losses(spec, schedule):
     losses = _losses(spec, DENSE, pipeline_schedule=schedule)
     for step, (a, b) in enumerate(zip(losses, reference)):
         assert abs(a - b) <= 1e-4 * abs(b), (spec, schedule, step, a, b)
+
+
+@pytest.mark.parametrize(
+    "spec, cp_impl, sequence_parallel",
+    [("dp=2,cp=4", "ring", False), ("fsdp=2,cp=2,tp=2", "alltoall", True)],
+)
+def test_context_parallel_layouts_train_to_the_same_losses(spec, cp_impl, sequence_parallel):
+    """GQA (split over tp=2) with the sequence zigzag-split over cp: ring, and all-to-all
+    with sequence parallelism (cp outer, tp inner)."""
+    reference = _losses("dp=1", GQA)
+    for step, (a, b) in enumerate(zip(_losses(spec, GQA, sequence_parallel, cp_impl=cp_impl), reference)):
+        assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
 
 
 def test_sequence_parallel_trains_to_the_same_losses():

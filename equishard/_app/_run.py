@@ -30,7 +30,15 @@ from .._errors import CheckpointError, LayerConfigError, TrainingError
 from .._text import human_bytes
 from ..core import pipeline_layer_order
 from ..distributed import global_array_from_rows, is_coordinator
-from ..models import GPT, PRESETS, GPTConfig, cast_floating, count_parameters
+from ..models import (
+    GPT,
+    PRESETS,
+    GPTConfig,
+    cast_floating,
+    check_context_split,
+    count_parameters,
+    token_batch,
+)
 from ..models._gpt import canonical_path, to_single_device
 from ..nn import remat_policy
 from ..report._flops import (
@@ -86,6 +94,7 @@ class TrainConfig:
     run_dir: str = "runs/train"
     dtype: str = "float32"
     sequence_parallel: bool = False
+    cp_impl: str = "ring"
     microbatches: int | None = None
     pipeline_repeats: int = 1
     remat: str = "none"
@@ -193,6 +202,7 @@ def _check(config: TrainConfig, layout: Layout, num_devices: int) -> None:
             f"{config.grad_accum} accumulation steps x {par.num_microbatches} pipeline "
             f"micro-batches."
         )
+    check_context_split(par, config.seq_len)
 
 
 def machine_memory(devices: list) -> tuple[int, str]:
@@ -237,6 +247,7 @@ class Run:
             num_microbatches=config.microbatches,
             pipeline_repeats=config.pipeline_repeats,
             pipeline_schedule=config.pipeline_schedule,
+            cp_impl=config.cp_impl,
         )
         devices = list(jax.devices() if devices is None else devices)
         self.mesh: Mesh = self.layout.mesh(devices)
@@ -295,18 +306,31 @@ class Run:
         """The state's structure, shapes and specs, computed without building it."""
         return eqx.filter_eval_shape(self.init_state)
 
-    def batch(self, data: np.ndarray, position: int) -> np.ndarray | jax.Array:
+    def batch(self, data: np.ndarray, position: int) -> Any:
         """The global batch at a data position (a global sample count).
 
         In one process, the NumPy batch. Across processes, a global `jax.Array` of which
         this process read only the rows its devices hold (`global_array_from_rows`):
-        row `j` is sample `position + j` whatever the number of processes.
+        row `j` is sample `position + j` whatever the number of processes. With a
+        context axis, the `token_batch` dict (inputs, labels, positions `[B, S]` in
+        zigzag order), read row by row the same way.
         """
         config = self.config
+        cp = self.parallelism.size(self.parallelism.context)
 
         def rows(start: int, stop: int) -> np.ndarray:
             return get_batch(data, position + start, stop - start, config.seq_len, seed=config.seed)
 
+        if cp > 1:
+            if jax.process_count() == 1:
+                return token_batch(rows(0, config.batch_size), cp)
+            shape = (config.batch_size, config.seq_len)
+            return {
+                name: global_array_from_rows(
+                    self.batch_sharding, shape, lambda a, b, name=name: token_batch(rows(a, b), cp)[name]
+                )
+                for name in ("inputs", "labels", "positions")
+            }
         if jax.process_count() == 1:
             return rows(0, config.batch_size)
         shape = (config.batch_size, config.seq_len + 1)

@@ -6,5 +6,7 @@ from ._gpt import (
     PRESETS as PRESETS,
     GPTConfig as GPTConfig,
     cast_floating as cast_floating,
+    check_context_split as check_context_split,
     count_parameters as count_parameters,
+    token_batch as token_batch,
 )

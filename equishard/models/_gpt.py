@@ -19,11 +19,12 @@ from typing import Any, ClassVar, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
-from ..core import from_last_stage, gather_tokens
+from ..core import from_last_stage, gather_tokens, zigzag_indices
 from ..nn import (
     FSDP,
     ColumnParallelLinear,
@@ -154,7 +155,8 @@ def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray)
     n_kv = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
     return TransformerBlock(
         config.d_model, config.n_heads, config.d_ff, n_kv_heads=n_kv,
-        kv_replicated=par.size(par.tensor) > n_kv, axis_name=TP, style=style, rotary=True,
+        kv_replicated=par.size(par.tensor) > n_kv, axis_name=TP, context_axis_name=par.context,
+        context_impl=par.context_impl, style=style, rotary=True,
         rotary_base=config.rotary_base, swiglu=True, moe=experts, key=key,
     )  # fmt: skip
 
@@ -172,10 +174,10 @@ class Unit(eqx.Module):
             for i in range(k)
         ]
 
-    def __call__(self, x: Array) -> tuple[Array, MoEAuxSum]:
+    def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, MoEAuxSum]:
         total = MoEAuxSum.zeros()
         for block in self.blocks:
-            x, aux = block.call_with_aux(x)
+            x, aux = block.call_with_aux(x, positions=positions)
             if aux is not None:
                 total = total + MoEAuxSum(aux.load_balancing_loss, aux.z_loss, aux.dropped)
         return x, total
@@ -214,6 +216,20 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
         )
     if par.sequence_parallel and config.moe_every:
         raise LayerConfigError("GPT: sequence parallelism with MoE layers is not supported.")
+    if par.context and (config.moe_every or par.pipeline):
+        raise LayerConfigError(
+            f"GPT: a context-parallel axis {par.context!r} with "
+            f"{'MoE layers' if config.moe_every else 'a pipeline axis'} is not supported; "
+            f"drop cp or {'moe_every' if config.moe_every else 'pp'}."
+        )
+    if par.context and par.context_impl == "alltoall":
+        local_heads = config.n_heads // max(par.size(par.tensor), 1)
+        if local_heads % par.size(par.context):
+            raise LayerConfigError(
+                f"GPT: all-to-all context parallelism needs the {local_heads} heads per tensor "
+                f"shard divisible by the context axis {par.context!r} of size "
+                f"{par.size(par.context)}; use cp_impl='ring'."
+            )
     tp = par.size(par.tensor)
     for name, value in (
         ("n_heads", config.n_heads),
@@ -329,19 +345,30 @@ class GPT(eqx.Module):
         self.config = config
         self.parallelism = par
 
-    def hidden(self, ids: Int[Array, "batch seq"]) -> tuple[Array, MoEAuxSum]:
-        """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics."""
+    def hidden(
+        self, ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"] | None = None
+    ) -> tuple[Array, MoEAuxSum]:
+        """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics.
+
+        `positions`: the tokens' global positions (required with a context axis, where
+        `ids` is this device's part of the sequence); default `0, 1, ...`.
+        """
+        if self.parallelism.context and positions is None:
+            raise LayerConfigError(
+                f"GPT: the sequence is split over the context axis {self.parallelism.context!r}; "
+                f"give the batch as token_batch(windows, cp) (inputs, labels and positions)."
+            )
         # The table's gradient is reduce-scattered over fsdp by the gather's transpose;
         # the lookup's backward is a scatter-add that needs no table.
         x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
             return self.units(x), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
-        call = _remat(lambda unit, x: unit(x), self.config)
+        call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
 
         def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
             unit = drop_leading_axis(eqx.combine(layer, static))
-            return call(unit, x)
+            return call(unit, x, positions)
 
         x, aux = jax.lax.scan(body, x, params)
         return x, jax.tree.map(lambda a: a.sum(0), aux)
@@ -429,14 +456,15 @@ class GPT(eqx.Module):
         return ce, {"cross_entropy": ce}
 
     def loss(
-        self, batch: Int[Array, "batch seq_plus_one"], key: PRNGKeyArray | None = None
+        self, batch: Int[Array, "batch seq_plus_one"] | dict[str, Array], key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """The global next-token loss of a local batch (to differentiate), and metrics.
 
         **Arguments:**
 
-        - `batch`: this device's `int32[B/data, T + 1]` windows: inputs `[:, :-1]`,
-          targets `[:, 1:]`.
+        - `batch`: this device's `int32[B/data, T + 1]` windows (inputs `[:, :-1]`,
+          targets `[:, 1:]`), or the dict of `token_batch` (`inputs`, `labels`,
+          `positions`, each `int32[B/data, T/cp]`), which a context axis needs.
         - `key`: unused (the model has no dropout); kept for `make_train_step`.
 
         **Returns:**
@@ -446,11 +474,14 @@ class GPT(eqx.Module):
         """
         del key
         par = self.parallelism
-        ids, labels = batch[:, :-1], batch[:, 1:]
+        if isinstance(batch, dict):
+            ids, labels, positions = batch["inputs"], batch["labels"], batch["positions"]
+        else:
+            ids, labels, positions = batch[:, :-1], batch[:, 1:], None
         if isinstance(self.units, PipelineModule) and self.units.explicit:
             return self._scheduled_loss(ids, labels)
         model = self._tie_varying(ids) if self.config.tied else self
-        h, aux = model.hidden(ids)
+        h, aux = model.hidden(ids, positions)
         logits = model.logits(h).astype(jnp.float32)
         ce = jnp.mean(vocab_parallel_cross_entropy(logits, labels, TP))
         loss = ce
@@ -460,9 +491,12 @@ class GPT(eqx.Module):
                 self.config.aux_loss_weight * aux.load_balancing_loss
                 + self.config.z_loss_weight * aux.z_loss
             ) / moe_layers
-        if par.data_axes:
-            loss = jax.lax.pmean(loss, par.data_axes)
-            ce = jax.lax.pmean(ce, par.data_axes)
+        # Every device holds as many tokens: the mean over the data and context axes of
+        # the local means is the global mean.
+        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
+        if mean_axes:
+            loss = jax.lax.pmean(loss, mean_axes)
+            ce = jax.lax.pmean(ce, mean_axes)
         if par.pipeline:
             loss = from_last_stage(loss, par.pipeline)
             ce = from_last_stage(ce, par.pipeline)
@@ -472,6 +506,57 @@ class GPT(eqx.Module):
             metrics["z_loss"] = aux.z_loss / moe_layers
             metrics["dropped"] = aux.dropped
         return loss, metrics
+
+
+def check_context_split(par: Parallelism, seq_len: int) -> None:
+    """Check that a sequence of `seq_len` tokens splits over the layout's context axis.
+
+    The zigzag split needs `seq_len` divisible by `2 cp`, and with sequence parallelism
+    each device's `seq_len / cp` tokens must split over the tensor axis too.
+
+    **Raises:**
+
+    `LayerConfigError` naming the sizes.
+    """
+    cp = par.size(par.context)
+    if cp == 1:
+        return
+    tp = par.size(par.tensor) if par.sequence_parallel else 1
+    if seq_len % (2 * cp * tp):
+        raise LayerConfigError(
+            f"the sequence length {seq_len} does not split over the context axis "
+            f"{par.context!r} of size {cp} in zigzag order (2 x {cp} chunks"
+            + (f", each device's part over tp={tp}" if tp > 1 else "")
+            + f"); use a multiple of {2 * cp * tp}."
+        )
+
+
+def token_batch(windows: Any, cp: int = 1) -> dict[str, Any]:
+    """Inputs, labels and positions `[B, S]` from windows `[B, S + 1]`, in zigzag order over `cp`.
+
+    Inputs are `windows[:, :-1]`, labels `windows[:, 1:]`, positions `0, ..., S - 1`;
+    with `cp > 1` the three are permuted together along the sequence by
+    `equishard.core.zigzag_indices(S, cp)`, so that splitting them evenly over the
+    context axis gives device `i` chunks `i` and `2 cp - 1 - i` (every device the same
+    causal work; see the "Long sequences" guide). Works on NumPy and JAX arrays alike.
+
+    **Arguments:**
+
+    - `windows`: `int32[B, S + 1]` (e.g. from the data pipeline's `get_batch`).
+    - `cp`: the size of the context-parallel axis (`S` a multiple of `2 cp` when > 1).
+
+    **Returns:**
+
+    `{"inputs", "labels", "positions"}`, each `int32[B, S]`.
+    """
+    xp = np if isinstance(windows, np.ndarray) else jnp
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    positions = xp.broadcast_to(xp.arange(inputs.shape[1], dtype=xp.int32), inputs.shape)
+    out = {"inputs": inputs, "labels": labels, "positions": positions}
+    if cp > 1:
+        order = zigzag_indices(inputs.shape[1], cp)
+        out = {k: v[:, order] for k, v in out.items()}
+    return out
 
 
 def count_parameters(model: Any) -> int:

@@ -35,7 +35,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
-from ..core import attention as attention_kernel, gather_tokens, mp_copy
+from ..core import (
+    alltoall_attention,
+    attention as attention_kernel,
+    gather_tokens,
+    mp_copy,
+    ring_attention,
+)
 from ..sharding import Sharded
 from ._init import (
     axis_size,
@@ -52,6 +58,7 @@ from ._moe import MoE, MoEAux
 from ._remat import CONTEXT, MLP_IN, MLP_OUT, OUT_PROJ, QKV_PROJ
 
 STYLES = ("megatron", "sequence")
+CONTEXT_IMPLS = ("ring", "alltoall")
 
 
 def _check_style(layer: str, style: Any) -> None:
@@ -306,6 +313,8 @@ class ParallelAttention(eqx.Module):
     style: str = eqx.field(static=True)
     rotary: bool = eqx.field(static=True)
     rotary_base: float = eqx.field(static=True)
+    context_axis_name: str | None = eqx.field(static=True)
+    context_impl: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -315,6 +324,8 @@ class ParallelAttention(eqx.Module):
         n_kv_heads: int | None = None,
         kv_replicated: bool = False,
         axis_name: str = "tp",
+        context_axis_name: str | None = None,
+        context_impl: str = "ring",
         style: str = "megatron",
         rotary: bool = False,
         rotary_base: float = 10000.0,
@@ -334,6 +345,14 @@ class ParallelAttention(eqx.Module):
           (`SharedKVLinear`), as an axis with more devices than `n_kv_heads` needs;
           otherwise it is split over the axis, whose size must then divide `n_kv_heads`.
         - `axis_name`: the tensor-parallel mesh axis.
+        - `context_axis_name`: a context-parallel mesh axis the sequence is split over
+          (`None`: none). Where it is bound the layer attends across it with
+          `equishard.core.ring_attention` or `alltoall_attention`, the tokens' global
+          positions given by `positions` (zigzag order, see the "Long sequences"
+          guide). The sequence splits over it first, then over `axis_name` with
+          `style="sequence"` (cp outer, tp inner).
+        - `context_impl`: `"ring"` or `"alltoall"` (needs the heads per tensor shard
+          divisible by the context axis).
         - `style`: `"megatron"` or `"sequence"` (see the module documentation).
         - `rotary`: apply rotary position embeddings to queries and keys (needs an even
           head size).
@@ -361,6 +380,7 @@ class ParallelAttention(eqx.Module):
                 f"{name}: rotary embeddings need an even head size, got "
                 f"d_model/n_heads = {head_dim}."
             )
+        check_choice(name, "context_impl", context_impl, CONTEXT_IMPLS)
         sp = style == "sequence"
         qkey, pkey = jax.random.split(key)
         self.qkv = self.q = self.kv = None
@@ -398,6 +418,8 @@ class ParallelAttention(eqx.Module):
         self.style = style
         self.rotary = rotary
         self.rotary_base = rotary_base
+        self.context_axis_name = context_axis_name
+        self.context_impl = context_impl
 
     def _check_axis(self, n: int) -> None:
         name = "ParallelAttention"
@@ -459,7 +481,9 @@ class ParallelAttention(eqx.Module):
         - `x`: `[..., T, d_model]` ("megatron") or this device's `[..., T/n, d_model]`
           ("sequence").
         - `positions`: the integer positions of the `T` tokens, `[T]` or `[..., T]`
-          (for rotary embeddings and the causal mask); default `0, ..., T - 1`.
+          (for rotary embeddings and the causal mask); default `0, ..., T - 1`. With a
+          bound context axis, the global positions of this device's `T` tokens
+          (required).
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
 
@@ -471,8 +495,19 @@ class ParallelAttention(eqx.Module):
         if self.rotary:
             q = rotary_embedding(q, self.rotary_base, positions=positions)
             k = rotary_embedding(k, self.rotary_base, positions=positions)
-        # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
-        out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+        cp = self.context_axis_name
+        if cp is not None and is_bound(cp):
+            if positions is None:
+                raise LayerConfigError(
+                    f"ParallelAttention: the sequence is split over the context axis {cp!r}; "
+                    f"pass the global positions of this device's tokens (positions=...)."
+                )
+            # f32[..., S/cp, H/n, hd] attends over all S tokens of the cp axis.
+            split = ring_attention if self.context_impl == "ring" else alltoall_attention
+            out = split(q, k, v, cp, causal=True, layout="zigzag", q_positions=positions, kv_positions=positions)
+        else:
+            # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
+            out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
         out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return checkpoint_name(self.proj(out), OUT_PROJ)
@@ -595,6 +630,8 @@ class TransformerBlock(eqx.Module):
         n_kv_heads: int | None = None,
         kv_replicated: bool = False,
         axis_name: str = "tp",
+        context_axis_name: str | None = None,
+        context_impl: str = "ring",
         style: str = "megatron",
         rotary: bool = False,
         rotary_base: float = 10000.0,
@@ -613,6 +650,8 @@ class TransformerBlock(eqx.Module):
         - `n_heads`: the number of attention heads (divisible by the axis size).
         - `n_kv_heads`, `kv_replicated`: grouped-query attention's key/value heads and
           their storage (see `ParallelAttention`).
+        - `context_axis_name`, `context_impl`: context parallelism of the attention
+          (see `ParallelAttention`).
         - `d_ff`: the MLP's hidden width (divisible by the axis size); unused with `moe`.
         - `axis_name`: the tensor-parallel mesh axis.
         - `style`: `"megatron"` (activations replicated over the axis) or `"sequence"`
@@ -637,7 +676,8 @@ class TransformerBlock(eqx.Module):
         akey, mkey = jax.random.split(key)
         self.norm1 = RMSNorm(d_model, eps=eps, dtype=dtype)
         self.attn = ParallelAttention(
-            d_model, n_heads, n_kv_heads=n_kv_heads, kv_replicated=kv_replicated, axis_name=axis_name, style=style, rotary=rotary,
+            d_model, n_heads, n_kv_heads=n_kv_heads, kv_replicated=kv_replicated, axis_name=axis_name,
+            context_axis_name=context_axis_name, context_impl=context_impl, style=style, rotary=rotary,
             rotary_base=rotary_base, bias=bias, init_type=init_type, dtype=dtype, key=akey,
         )  # fmt: skip
         self.norm2 = RMSNorm(d_model, eps=eps, dtype=dtype)

@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import LayerConfigError, MeshError
-from ..models import GPT, PRESETS, GPTConfig, cast_floating
+from ..models import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
 from ..sharding import Layout, param_table, specs_of
 from ..sharding._specs import is_array_like, is_spec
 from ..train import TrainState, init_train_state, make_train_step
@@ -89,6 +89,7 @@ def check_gpt_layout(
             f"{micro} pipeline micro-batches."
         )
     par = layout.parallelism(num_devices)
+    check_context_split(par, seq_len)
     mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
     with jax.sharding.use_abstract_mesh(mesh):
         eqx.filter_eval_shape(lambda: GPT(config, par, key=jax.random.key(0)))
@@ -198,10 +199,13 @@ def abstract_train_step(
     def whole(dynamic: Any, batch: Any) -> Any:
         return step(eqx.combine(dynamic, static), batch)
 
-    batch = jax.ShapeDtypeStruct(
-        (batch_size, seq_len + 1), jnp.int32,
-        sharding=NamedSharding(mesh, layout.batch_spec(len(devices))),
-    )  # fmt: skip
+    sharding = NamedSharding(mesh, layout.batch_spec(len(devices)))
+    batch: Any
+    if par.context:  # inputs, labels and positions [B, S], split over cp too
+        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
+        batch = {"inputs": tokens, "labels": tokens, "positions": tokens}
+    else:
+        batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=sharding)
     lowered = jax.jit(whole, donate_argnums=0).lower(dynamic, batch)
     return AbstractStep(
         lowered, state, mesh, config, layout, batch_size, seq_len, time.perf_counter() - start

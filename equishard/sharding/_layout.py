@@ -19,8 +19,11 @@ from .._errors import MeshError
 from ._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 from ._mesh import make_mesh, parse_layout
 
-AXES = ("dp", "fsdp", "tp", "ep", "pp")
-"""The axis names a layout may use: data, fully-sharded data, tensor, expert, pipeline."""
+AXES = ("dp", "fsdp", "cp", "tp", "ep", "pp")
+"""The axis names a layout may use: data, fully-sharded data, context, tensor, expert, pipeline."""
+
+CP_IMPLS = ("ring", "alltoall")
+"""The context-parallel attention implementations (`Layout.cp_impl`)."""
 
 DATA_AXES = ("dp", "fsdp", "ep")
 
@@ -42,6 +45,10 @@ class Parallelism:
       `equishard.core.SCHEDULES`).
     - `sequence_parallel`: split activations over the sequence on the tensor axis.
     - `fsdp_min_weight_size`: smaller arrays stay replicated under FSDP.
+    - `context`: the context-parallel axis the sequence is split over (zigzag order),
+      or `None`; `context_impl`: its attention, `"ring"` or `"alltoall"`. The sequence
+      splits over `context` first and, with `sequence_parallel`, each part over the
+      tensor axis (cp outer, tp inner). See the "Long sequences" guide.
     """
 
     axes: tuple[str, ...] = ()
@@ -57,6 +64,8 @@ class Parallelism:
     pipeline_schedule: str | None = None
     sequence_parallel: bool = False
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
+    context: str | None = None
+    context_impl: str = "ring"
 
     def size(self, axis: str | None) -> int:
         """The size of `axis` (1 if absent)."""
@@ -81,6 +90,8 @@ class Layout:
       `"1f1b"`, `"interleaved-1f1b"` or `"zb-h1"` (`None`: GPipe, or circular with
       `pipeline_repeats > 1`).
     - `fsdp_min_weight_size`: arrays smaller than this stay replicated under `fsdp`.
+    - `cp_impl`: the attention over a `cp` axis: `"ring"` (ring attention) or
+      `"alltoall"` (Ulysses; needs the heads per tensor shard divisible by cp).
     """
 
     spec: str
@@ -89,6 +100,7 @@ class Layout:
     pipeline_repeats: int = 1
     pipeline_schedule: str | None = None
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
+    cp_impl: str = "ring"
 
     def axes(self, num_devices: int | None = None) -> dict[str, int]:
         """The axes and their sizes, validated (see `parse_layout`)."""
@@ -97,7 +109,13 @@ class Layout:
         if unknown:
             raise MeshError(
                 f"layout {self.spec!r}: unknown axis {unknown[0]!r}; a layout uses the axes "
-                f"{', '.join(AXES)} (data, fully-sharded data, tensor, expert, pipeline)."
+                f"{', '.join(AXES)} (data, fully-sharded data, context, tensor, expert, "
+                f"pipeline)."
+            )
+        if self.cp_impl not in CP_IMPLS:
+            raise MeshError(
+                f"layout {self.spec!r}: cp_impl (--cp-impl) {self.cp_impl!r} is not one of "
+                f"{', '.join(CP_IMPLS)}."
             )
         if self.sequence_parallel and "tp" not in axes:
             raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a 'tp' axis.")
@@ -137,11 +155,20 @@ class Layout:
             pipeline_schedule=self.pipeline_schedule,
             sequence_parallel=self.sequence_parallel,
             fsdp_min_weight_size=self.fsdp_min_weight_size,
+            context="cp" if "cp" in axes else None,
+            context_impl=self.cp_impl,
         )
 
     def batch_spec(self, num_devices: int | None = None) -> P:
-        """The spec of a global batch `[B, ...]`: split over the data axes."""
-        data = self.parallelism(num_devices).data_axes
+        """The spec of a global batch `[B, ...]`: split over the data axes.
+
+        With a `cp` axis the batch's arrays are `[B, S]` (inputs, labels, positions)
+        and the sequence dimension is split over `cp` too: `P(data, "cp")`.
+        """
+        par = self.parallelism(num_devices)
+        data = par.data_axes or None
+        if par.context:
+            return P(data, par.context)
         return P(data) if data else P()
 
     def data_parallel_size(self, num_devices: int | None = None) -> int:
