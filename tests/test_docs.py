@@ -46,6 +46,7 @@ PAGES = {
     "training.md": ("training.py", "multihost.py"),
     "coming-from.md": ("coming_from.py",),
     "inspect-and-plan.md": ("inspect_and_plan.py",),
+    "train-output.md": ("train_output.py",),
     "long-sequences.md": ("long_sequences.py",),
     "your-own-model.md": ("your_own_model.py",),
 }
@@ -55,7 +56,13 @@ TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
 INCLUDE = re.compile(r'^\s*--8<--\s+"examples/([\w.]+?)(?::([\w-]+))?"\s*$', re.M)
 # An output block titled "Output (Python 3.11)" is checked on that Python only (the
 # training corpus is the running interpreter's standard library).
-OUTPUT_BLOCK = re.compile(r'^```text title="Output(?: \(Python (3\.\d+)\))?"\n(.*?)^```', re.M | re.S)
+# An output block titled "Output (numbers vary)" shows a run's timings (and the losses of
+# a run whose last digits differ between JAX versions): its lines are compared with every
+# number, as printed, standing for any number.
+OUTPUT_BLOCK = re.compile(
+    r'^```text title="Output(?: \((?:Python (3\.\d+)|(numbers vary))\))?"\n(.*?)^```', re.M | re.S
+)
+NUMBER = r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 
 
 @functools.cache
@@ -114,8 +121,19 @@ def test_includes_name_sections_that_exist(page):
             assert f"# --8<-- [end:{section}]" in source, (page, script, section)
 
 
-def _shown_line_matches(shown: str, printed: list[str]) -> bool:
-    pattern = ".*".join(re.escape(part) for part in shown.split("…"))
+def _piece(text: str, numbers_vary: bool) -> str:
+    if not numbers_vary:
+        return re.escape(text)
+    out, last = [], 0
+    for match in re.finditer(NUMBER, text):
+        out += [re.escape(text[last : match.start()]), NUMBER]
+        last = match.end()
+    # tqdm says "s/step" below one step a second, "step/s" above.
+    return re.sub(r"s/step|step/s", "(?:s/step|step/s)", "".join([*out, re.escape(text[last:])]))
+
+
+def _shown_line_matches(shown: str, printed: list[str], numbers_vary: bool = False) -> bool:
+    pattern = ".*".join(_piece(part, numbers_vary) for part in shown.split("…"))
     return any(re.fullmatch(pattern, line.rstrip()) for line in printed)
 
 
@@ -129,12 +147,12 @@ def test_output_blocks_are_what_the_code_prints(page):
         line for name in PAGES[page] if name in LAUNCHED for line in launch_example(name).splitlines()
     ]
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for only_on, block in blocks:
+    for only_on, numbers_vary, block in blocks:
         if only_on and only_on != python:
             continue
         for shown in block.splitlines():
             if shown.strip():
-                assert _shown_line_matches(shown.rstrip(), printed), (
+                assert _shown_line_matches(shown.rstrip(), printed, bool(numbers_vary)), (
                     f"{page} shows a line its code does not print:\n{shown}\n"
                     f"--- printed:\n" + "\n".join(printed)
                 )

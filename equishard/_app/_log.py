@@ -107,7 +107,7 @@ def step_line(row: dict[str, Any], steps: int) -> str:
 
 
 def _seconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+    return f"{seconds * 1e3:,.0f} ms"  # one unit, so that lines compare at a glance
 
 
 def time_summary(seconds: dict[str, float], total: float) -> str:
