@@ -353,3 +353,22 @@ def test_every_command_knows_the_same_presets():
     train = next(a for a in parser._subparsers._group_actions[0].choices["train"]._actions if a.dest == "model")  # pyright: ignore
     assert sorted(train.choices) == sorted(_model_names()) == sorted(PRESETS)
     assert {"llama3-8b", "llama3-70b", "llama3-405b"} <= set(PRESETS) and not any(n.startswith("llama-") for n in PRESETS)
+
+
+@pytest.mark.parametrize(
+    "layout, term",
+    [(Layout("dp=2,cp=4"), "cp: ring attention"), (Layout("fsdp=2,cp=2,tp=2", sequence_parallel=True, cp_impl="alltoall"), "cp: all-to-all attention")],
+)
+def test_context_parallel_step_sends_its_analytical_minimum(layout, term):
+    """Ring (collective-permutes of key/value blocks and their gradients) and all-to-all
+    terms, forward and backward, on the cp axis: the compiled step sends the minimum."""
+    config = dataclasses.replace(TINY, n_kv_heads=2)
+    r, _ = gpt_report(config, layout, batch_size=8, seq_len=64, optimizer=optax.adamw(1e-3))
+    assert r.minimum is not None
+    terms = [t for t in r.minimum.terms if t.name.startswith(term)]
+    assert len(terms) == 1 and terms[0].axes == ("cp",) and terms[0].bytes > 0
+    # The attention's own collectives on cp (gradient all-reduces over it are other terms).
+    measured = sum(c.total_bytes for c in r.collectives if c.axes == ("cp",) and c.kind != "all-reduce")
+    assert abs(measured / terms[0].bytes - 1) < 1e-3, (measured, terms[0].bytes)
+    assert r.ratio is not None and 0.999 <= r.ratio <= 1.05, r.ratio
+    assert term in str(r)

@@ -62,6 +62,16 @@ plus the terms the textbook formulas leave out. Each `Term` records its formula.
   — the same with two stages. The embedding is replicated over the stages, so the
   gradient of the pipeline's input is summed over them: `2(S−1)/S · A`. The loss is
   taken from the last stage with one all-reduce of a scalar.
+- *Context parallel* (`cp` devices, `K` one f32 key or value block `[b, S/cp,
+  h_kv, head_dim]` of a device, `P` its int32 positions `[b, S/cp]`): ring attention
+  sends per layer `(cp−1) · 2K` forward (the key/value blocks round the ring; their
+  positions, the same in every layer, travel once: `(cp−1) · P`), and backward the
+  blocks with their positions again, `(cp−1)(2K + P)`, plus their gradient
+  accumulators, `cp · 2K` (the last shift brings them home). All-to-all attention sends per layer
+  `2 · (cp−1)/cp · (2Q + 2K)` (q, k, v in and the output back, forward and backward;
+  key/value heads repeated to a multiple of `cp`) and all-gathers the positions once
+  for all layers, `(cp−1) · P`. The context axis also joins the data axes in the gradient reduction
+  and the loss `pmean`, and `A` counts the tokens per data and context shard.
 - *Scalars*: the loss `pmean` over the data axes (with MoE also the cross-entropy
   metric, which then differs from the loss, and the gradient of the global auxiliary
   loss, which joins each device's local cross-entropy), and one f32 per split gradient
@@ -304,7 +314,12 @@ class _Setting:
     microbatches: int
     repeats: int
     sequence_parallel: bool
-    tokens: int  # tokens per data shard per step
+    cp: int  # the context axis's size (1 without one)
+    context: str | None
+    context_impl: str
+    batch: int  # sequences per data shard per step
+    seq: int  # tokens per sequence
+    tokens: int  # tokens per device's shard (data and context) per step
     activation: float  # A: bytes of [tokens per data shard, d_model]
 
     def size(self, axes: Iterable[str]) -> int:
@@ -329,17 +344,26 @@ def _setting(config: GPTConfig, layout: Layout, batch_size: int, seq_len: int, n
     par = layout.parallelism(num_devices)
     sizes = dict(zip(par.axes, par.sizes))
     data = math.prod(sizes[a] for a in par.data_axes)
-    tokens = batch_size * seq_len // data
+    cp = par.size(par.context)
+    tokens = batch_size * seq_len // (data * cp)
+    # The context axis splits the tokens like a data axis: the loss is averaged and the
+    # gradients are reduced over it too.
+    grad_axes = tuple(a for a in sizes if a in par.data_axes or a == par.context)
     return _Setting(
         config=config,
         sizes=sizes,
-        data_axes=par.data_axes,
+        data_axes=grad_axes,
         tp=par.size(par.tensor),
         ep=par.size(par.expert),
         stages=par.num_stages,
         microbatches=par.num_microbatches,
         repeats=par.pipeline_repeats,
         sequence_parallel=par.sequence_parallel,
+        cp=cp,
+        context=par.context,
+        context_impl=par.context_impl,
+        batch=batch_size // data,
+        seq=seq_len,
         tokens=tokens,
         activation=float(tokens * config.d_model * F32),
     )
@@ -483,6 +507,39 @@ def _tensor_terms(s: _Setting) -> list[Term]:
         ),
     ]
     return terms
+
+
+def _context_terms(s: _Setting) -> list[Term]:
+    """Ring or all-to-all attention over the context axis, forward and backward, every layer."""
+    n, config = s.cp, s.config
+    if n == 1 or s.context is None:
+        return []
+    tp, layers = s.tp, config.n_layers
+    head_dim = config.d_model // config.n_heads
+    n_kv = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+    heads = config.n_heads // tp
+    kv_heads = max(n_kv // tp, 1)
+    rows = s.batch * s.seq // n  # query / key rows of one layer on a device: b · S/cp
+    kv = rows * kv_heads * head_dim * F32  # K: one f32 key (or value) block
+    pos = rows * F32  # its int32 positions
+    axes = (s.context,)
+    if s.context_impl == "ring":
+        # Every layer reads the same positions: forward they travel the ring once.
+        value = float(layers * ((n - 1) * 2 * kv + (n - 1) * (2 * kv + pos) + n * 2 * kv) + (n - 1) * pos)
+        formula = (
+            f"{layers} layers x ((n-1)·2K forward + (n-1)(2K + P) + n·2K backward) + "
+            f"(n-1)P, K = {human_bytes(kv)}, P = {human_bytes(pos)}"
+        )
+        return [Term("cp: ring attention (key/value blocks; their gradients home)", "collective-permute", axes, n, formula, value, value)]
+    wide = math.lcm(kv_heads, n)  # key/value heads repeated to split over the axis
+    q = rows * heads * head_dim * F32
+    kvw = rows * wide * head_dim * F32
+    value = float(layers * 2 * _ring(n) * (2 * q + 2 * kvw) + (n - 1) * pos)
+    formula = (
+        f"{layers} layers x 2 x (n-1)/n (2Q + 2K) + (n-1)P, Q = {human_bytes(q)}, "
+        f"K = {human_bytes(kvw)}, P = {human_bytes(pos)} (the positions, gathered once)"
+    )
+    return [Term("cp: all-to-all attention (q, k, v in; out back; forward and backward)", "all-to-all", axes, n, formula, value, value)]
 
 
 def _expert_terms(s: _Setting) -> list[Term]:
@@ -674,6 +731,7 @@ def gpt_minimum(
     terms = [
         *_parameter_terms(rows, s, _gradient_roles(model)),
         *_tensor_terms(s),
+        *_context_terms(s),
         *_expert_terms(s),
         *_pipeline_terms(s),
         *_scalar_terms(rows, s),
