@@ -1,5 +1,6 @@
-"""Your own Equinox model, unchanged, on one device, data parallel and FSDP: the same
-losses, with dropout on and an optax chain.
+"""Your own Equinox model, unchanged, on one device, data parallel, FSDP and tensor
+parallel: the same losses, with dropout on and an optax chain; a checkpoint restored
+on another layout; the plain model back.
 
 The code of the guide `docs/guides/your-own-model.md`. Run it on a laptop CPU:
 
@@ -37,10 +38,11 @@ class Attention(eqx.Module):
     dropout: eqx.nn.Dropout
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
 
     def __init__(self, dim, n_heads, n_kv_heads, *, key):
         kq, kk, kv, ko = jax.random.split(key, 4)
-        head = dim // n_heads
+        head = self.head_dim = dim // n_heads
         self.wq = eqx.nn.Linear(dim, n_heads * head, use_bias=False, key=kq)
         self.wk = eqx.nn.Linear(dim, n_kv_heads * head, use_bias=False, key=kk)
         self.wv = eqx.nn.Linear(dim, n_kv_heads * head, use_bias=False, key=kv)
@@ -49,7 +51,7 @@ class Attention(eqx.Module):
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
 
     def __call__(self, x, *, key):  # x: f32[S, D], one example
-        seq, head = x.shape[0], self.wq.out_features // self.n_heads
+        seq, head = x.shape[0], self.head_dim
         q = jax.vmap(self.wq)(x).reshape(seq, self.n_heads, head)
         k = jax.vmap(self.wk)(x).reshape(seq, self.n_kv_heads, head)
         v = jax.vmap(self.wv)(x).reshape(seq, self.n_kv_heads, head)
@@ -120,7 +122,7 @@ def make_loss(data_axes):
 # --8<-- [start:train]
 optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
 rng = np.random.default_rng(0)
-batches = [rng.integers(0, 64, (16, 17), dtype=np.int32) for _ in range(4)]
+batches = [rng.integers(0, 64, (16, 17), dtype=np.int32) for _ in range(5)]
 
 
 def one_fsdp_unit_each(path, module):
@@ -128,38 +130,68 @@ def one_fsdp_unit_each(path, module):
     return isinstance(module, Block) or path in ("embed", "head")
 
 
-def train(layout, grad_accum=1):
+def make_model(mesh):
+    def make(key):
+        model = Model(key=key)
+        if "tp" in mesh.axis_names:  # see "Tensor parallelism without editing the model"
+            model = es.parallelize(model, plan, mesh, probe=probe)
+        if "fsdp" in mesh.axis_names:
+            model = es.nn.fsdp_wrap(model, "fsdp", policy=one_fsdp_unit_each)
+        return model
+
+    return make
+
+
+def train(layout, grad_accum=1, steps=4):
     mesh = es.make_mesh(layout)
     data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
-    make = lambda k: Model(key=k)  # noqa: E731
-    if "fsdp" in mesh.axis_names:
-        make = lambda k: es.nn.fsdp_wrap(Model(key=k), "fsdp", policy=one_fsdp_unit_each)  # noqa: E731
-    state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
+    state = init_train_state(make_model(mesh), optimizer, jax.random.key(0), mesh=mesh)
     step = make_train_step(
         make_loss(data), optimizer, mesh=mesh, batch_spec=P(data), grad_accum=grad_accum
     )
     losses = []
-    for batch in batches:
+    for batch in batches[:steps]:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return state, losses
+    return state, losses, step
+# --8<-- [end:train]
 
 
+# --8<-- [start:plan]
+plan = {
+    r"embed": "vocab",  # rows split over tp, lookups summed
+    r"blocks\[\d+\]\.attn": es.nn.HeadParallel("n_heads", "n_kv_heads", dropout_dim=0),
+    r"blocks\[\d+\]\.(attn\.w[qkv]|up|gate)": "column",  # output features split
+    r"blocks\[\d+\]\.(attn\.wo|down)": "row",  # input features split, outputs summed
+    r"head": es.nn.ColwiseParallel(gather_output=True),  # whole logits for the loss
+}
+
+
+def probe(model):
+    """One forward pass, dropout on: under the plan it must equal the original's."""
+    return model(batches[0][0, :-1], key=jax.random.key(1))
+# --8<-- [end:plan]
+
+
+# --8<-- [start:run]
+runs = {}
 for name, layout, grad_accum in [
     ("one device", "dp=1", 1),
     ("dp=8", "dp=8", 2),
     ("fsdp=8", "fsdp=8", 2),
     ("dp=2,fsdp=4", "dp=2,fsdp=4", 1),
+    ("dp=4,tp=2", "dp=4,tp=2", 2),
+    ("fsdp=4,tp=2", "fsdp=4,tp=2", 2),
 ]:
-    state, losses = train(layout, grad_accum)
+    runs[name] = state, losses, step = train(layout, grad_accum)
     print(f"{name:12} grad_accum={grad_accum} losses", " ".join(f"{x:.6f}" for x in losses))
-# --8<-- [end:train]
+# --8<-- [end:run]
 
 
-# --8<-- [start:tp]
+# --8<-- [start:global]
 def tp_rules(layout):
-    """Megatron's split: q, k, v, gate, up and the head by output features over tp;
-    o and down by input features; fsdp (if any) on the other dimension."""
+    """The plan's splits as path rules: q, k, v, gate, up and the head by output
+    features over tp, o and down by input features; fsdp (if any) on the other dimension."""
     fsdp = "fsdp" if "fsdp" in layout else None
     return [
         (r"attn\.w[qkv]\.weight|\.(up|gate)\.weight|head\.weight", P("tp", fsdp)),
@@ -174,15 +206,38 @@ def global_loss(model, batch, key, *, index):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean(), {}
 
 
-for layout in ["dp=4,tp=2", "fsdp=4,tp=2"]:
-    mesh = es.make_mesh(layout)
-    data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
-    make = lambda k: es.apply_rules(Model(key=k), tp_rules(layout))  # noqa: E731
-    state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(global_loss, optimizer, mesh=mesh, batch_spec=P(data), view="global")
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    print(f"{layout:12} global view  losses", " ".join(f"{x:.6f}" for x in losses))
-# --8<-- [end:tp]
+mesh = es.make_mesh("fsdp=4,tp=2")
+make = lambda k: es.apply_rules(Model(key=k), tp_rules("fsdp=4,tp=2"))  # noqa: E731
+state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
+step = make_train_step(global_loss, optimizer, mesh=mesh, batch_spec=P("fsdp"), view="global")
+losses = []
+for batch in batches[:4]:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+print(f"{'global view':12} fsdp=4,tp=2  losses", " ".join(f"{x:.6f}" for x in losses))
+# --8<-- [end:global]
+
+
+# --8<-- [start:checkpoint]
+import tempfile
+
+from equishard.train import Checkpointer
+
+# Stored under paths without FSDP's `.module`: any layout's state can read them.
+canonical = lambda path: path.replace(".module.", ".")  # noqa: E731
+saved, _, tp_step = runs["fsdp=4,tp=2"]
+_, _, dp_step = runs["dp=8"]
+with tempfile.TemporaryDirectory() as workdir:
+    with Checkpointer(workdir, path_map=canonical) as ckpt:
+        ckpt.save(4, saved)  # written on fsdp=4,tp=2 ...
+    dp8 = es.make_mesh("dp=8")  # ... read into a dp=8 state: plain Linear layers there
+    like = eqx.filter_eval_shape(lambda: init_train_state(make_model(dp8), optimizer, jax.random.key(0), mesh=dp8))
+    with Checkpointer(workdir, path_map=canonical) as ckpt:
+        restored = ckpt.restore(like, mesh=dp8)
+plain = es.unbox(es.gather(saved.model))  # the model as written, on one device
+print("plain model back:", type(plain.embed).__name__, type(plain.blocks[0].attn.wq).__name__)
+_, after_restore = dp_step(restored, batches[4])
+_, after_save = tp_step(saved, batches[4])
+print(f"step 5 on dp=8 after restore {float(after_restore['loss']):.6f}")
+print(f"step 5 on fsdp=4,tp=2        {float(after_save['loss']):.6f}")
+# --8<-- [end:checkpoint]
