@@ -13,6 +13,9 @@ simulated CPU devices and plotted with matplotlib.
   why the ring overlaps communication with compute.
 - `pipeline_schedule.png`: the five pipeline schedules' tables as timelines
   (`equishard.core.pipeline_schedule`).
+- `zigzag.png`: which tokens each device of a `cp` axis holds under the contiguous and
+  the zigzag split (`equishard.core.zigzag_indices`), and the causal block pairs each
+  device's ring computes (`equishard.core.ring_attention_block_pairs`).
 - `loss_curves.png`: the main job (`equishard train`, default options) and the first
   steps of the same model under several layouts (`equishard train`'s job).
 """
@@ -192,6 +195,45 @@ def pipeline_figure() -> None:
     _save(fig, "pipeline_schedule.png")
 
 
+# ------------------------------------------------------------------------- zigzag split
+
+
+def zigzag_figure() -> None:
+    from equishard.core import ring_attention_block_pairs, zigzag_indices
+
+    cp, seq, block = 4, 32, 4
+    mesh = es.make_mesh(f"cp={cp}")
+    spec = P(None, "cp", None, None)
+    q = jnp.zeros((1, seq, 1, 8))
+    orders = {"contiguous": np.arange(seq), "zigzag": zigzag_indices(seq, cp)}
+    counts = {}
+    for layout in orders:
+        fn = jax.shard_map(
+            lambda q, k, v, layout=layout: ring_attention_block_pairs(q, k, v, "cp", layout=layout, block_size=block)[None],
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=P("cp"),
+        )  # fmt: skip
+        counts[layout] = np.asarray(jax.jit(fn)(q, q, q))
+    fig, axes = plt.subplots(2, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    local = seq // cp
+    for row, (layout, order) in enumerate(orders.items()):
+        ax = axes[row, 0]
+        for slot, token in enumerate(order):
+            device = slot // local
+            ax.add_patch(Rectangle((token, 0), 0.95, 1, facecolor=COLORS[device], edgecolor="k", lw=0.3))
+            ax.text(token + 0.47, 0.5, str(device), ha="center", va="center", fontsize=6)
+        ax.set_xlim(0, seq), ax.set_ylim(0, 1), ax.set_yticks([])
+        ax.set_title(f"{layout}: the device holding each token (S={seq}, cp={cp})", fontsize=8)
+        bar = axes[row, 1]
+        bar.bar(range(cp), counts[layout], color=[COLORS[d] for d in range(cp)])
+        bar.set_xticks(range(cp), [f"dev {d}" for d in range(cp)], fontsize=7)
+        bar.set_title(f"causal block pairs computed (max/min {counts[layout].max() / counts[layout].min():.2f})", fontsize=8)
+    axes[1, 0].set_xlabel("token position", fontsize=8)
+    fig.suptitle("the zigzag split: device i holds chunks i and 2cp-1-i, so every device does the same causal work",
+                 fontsize=9)
+    fig.tight_layout()
+    _save(fig, "zigzag.png")
+
+
 # ------------------------------------------------------------------------ loss curves
 
 
@@ -234,6 +276,7 @@ def main() -> None:
     specs_figure()
     collective_matmul_figure()
     pipeline_figure()
+    zigzag_figure()
     if not args.skip_training:
         with tempfile.TemporaryDirectory() as workdir:
             loss_figure(pathlib.Path(workdir))
