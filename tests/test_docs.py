@@ -245,6 +245,13 @@ def test_pipeline():
         assert "all-gather" not in line and "all-to-all" not in line
     assert "{'collective-permute': 20, " in runs[0]  # 2 (M + S - 2)
     assert "{'collective-permute': 36, " in runs[1]  # 2 (R M + S - 2)
+    explicit = [line for line in out.splitlines() if "micro-batches held per device" in line]
+    assert len(explicit) == 3
+    for line in explicit:
+        loss = floats(line.split("loss")[1])[0]
+        assert abs(loss - reference) <= 1e-4 * abs(reference), line
+        assert "gradients equal: True" in line
+    assert explicit[0].endswith("[4, 3, 2, 1]") and explicit[2].endswith("[4, 4, 4, 4]")
 
 
 def test_training_resumes_on_another_layout():

@@ -447,7 +447,16 @@ def _run(
         new = dict(carry)
         new["loss"] = carry["loss"] + out["loss"]
         if with_grad:
-            new["stash"] = _put(carry["stash"], mine["stash_write"], out["stash"], op == FORWARD)
+            # Written only by a forward; a conditional update (not a select) keeps the
+            # write in place: no second copy of a slot's residuals.
+            new["stash"] = jax.lax.cond(
+                op == FORWARD,
+                lambda: jax.tree.map(
+                    lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, mine["stash_write"], 0),
+                    carry["stash"], out["stash"],
+                ),
+                lambda: carry["stash"],
+            )  # fmt: skip
             new["enter_stash"] = _put(
                 carry["enter_stash"], mine["stash_write"], out["enter_stash"], (op == FORWARD) & is_first
             )
