@@ -18,10 +18,12 @@ from equishard.core import (
     execute_circular_pipeline,
     execute_pipeline,
     execute_pipeline_step,
+    execute_schedule,
     from_last_stage,
     pipeline_layer_order,
     pipeline_schedule,
     schedule_report,
+    schedule_weights,
 )
 from equishard.nn import PipelineModule
 from equishard.report import read_collectives
@@ -619,3 +621,49 @@ def test_explicit_schedule_errors():
     wrong = PipelineModule(TanhBlock, "pp", 2, num_layers=4, num_stages=4, schedule="1f1b", key=jax.random.key(0))
     with pytest.raises(es.LayerConfigError, match="num_stages=4.*size 2"):
         _trace(lambda p, x: p.loss(x, x[..., 0], last=_head, last_params=jnp.ones(D)), mesh, wrong, x)
+
+
+def test_schedule_weights_match_runtime_counts():
+    """The reader counts a branch's collectives as often as the schedule runs the branch:
+    checked against how often the stage and the loss actually run, device by device."""
+    mesh = es.make_mesh("pp=2,tp=2")
+    sched = pipeline_schedule("1f1b", 2, 4)
+    ran = {}
+
+    def record(kind, stage, tp):
+        if int(tp) == 0:
+            ran[kind, int(stage)] = ran.get((kind, int(stage)), 0) + 1
+
+    def stage_fn(p, h):
+        jax.debug.callback(record, "F", jax.lax.axis_index("pp"), jax.lax.axis_index("tp"))
+        part = jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index("tp") * (D // 2), D // 2, axis=1)
+        return h + jnp.tanh(jax.lax.psum(part @ p, "tp"))  # f32[b, D/tp] @ f32[D/tp, D]: partial sums
+
+    def last(w, y, t):
+        jax.debug.callback(record, "loss", jax.lax.axis_index("pp"), jax.lax.axis_index("tp"))
+        return jnp.mean((y @ w - t) ** 2)
+
+    def inner(p, w, x, t):
+        f = lambda p, w: execute_schedule(stage_fn, p, x, t, last=last, last_params=w, schedule=sched, model_axis_name="pp")  # noqa: E731
+        return jax.value_and_grad(f, argnums=(0, 1))(p, w)
+
+    p = jax.random.normal(jax.random.key(0), (2, D, D)) / D**0.5
+    x, t, w = jnp.ones((8, D)), jnp.ones((8,)), jnp.ones((D,))
+    fn = jax.jit(es.filter_shard_map(inner, mesh=mesh, in_specs=(P("pp", "tp", None), P(), P(), P()),
+                                     out_specs=(P(), (P("pp", "tp", None), P()))))  # fmt: skip
+    compiled = fn.lower(p, w, x, t).compile()
+    jax.block_until_ready(compiled(p, w, x, t))
+    k = sched.num_steps
+    for device in range(2):
+        weights = schedule_weights(sched, device)
+        assert ran["F", device] == round(weights["pipeline_forward"] * k) == 4
+        assert ran.get(("loss", device), 0) == round(weights["pipeline_last"] * k) == 4 * device
+    # The stage's all-reduce over tp, inside the forward branch: K times unweighted, the
+    # schedule's forwards (M) weighted; the transfers run on the steps that send.
+    weighted = read_collectives(compiled, weights=schedule_weights(sched))
+    plain = read_collectives(compiled)
+    fwd = [op for op in weighted if op.kind == "all-reduce" and op.operand_shapes == (("f32", (2, D)),)]
+    assert fwd and {op.count for op in fwd} <= {4}, [str(op) for op in weighted]
+    assert max(op.count for op in plain if op.kind == "all-reduce" and op.operand_shapes == (("f32", (2, D)),)) == k
+    permutes = [op for op in weighted if op.kind == "collective-permute"]
+    assert sorted(op.count for op in permutes) == [4, 4]  # M activations forward, M cotangents back

@@ -42,7 +42,10 @@ from ._collectives import (
     ring_reduce_scatter_split as ring_reduce_scatter_split,
     ring_shift as ring_shift,
 )
-from ._executor import execute_schedule as execute_schedule
+from ._executor import (
+    execute_schedule as execute_schedule,
+    schedule_weights as schedule_weights,
+)
 from ._gather import (
     gather_array as gather_array,
     gather_array_with_mean_grads as gather_array_with_mean_grads,

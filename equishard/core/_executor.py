@@ -377,9 +377,11 @@ def _run(
         def idle() -> dict:
             return zero_out
 
+        @jax.named_scope("pipeline_forward")
         def forward() -> dict:
             out = dict(zero_out)
 
+            @jax.named_scope("pipeline_first")
             def from_inputs() -> tuple[Array, list]:
                 if with_grad:
                     h, kept = enter_vjp.forward(enter_diff, enter_rest)
@@ -395,6 +397,7 @@ def _run(
             else:
                 y = run_stage(p, h)
 
+            @jax.named_scope("pipeline_last")
             def finish() -> tuple:
                 if with_grad:
                     loss, grads = jax.value_and_grad(last, argnums=(0, 1))(last_params, y, t_mb)
@@ -420,6 +423,7 @@ def _run(
                 if inputs_too:
                     d_h = cast_varying(d_h, axes)
 
+                    @jax.named_scope("pipeline_first")
                     def leave() -> tuple:
                         enter_kept = _index(carry["enter_stash"], mine["stash_read"])
                         grads = enter_vjp.backward(first_params, enter_kept, d_h)
@@ -439,7 +443,12 @@ def _run(
             # B: the input gradient (and, unless split off, the weight gradient); W: the
             # weight gradient. The first stage's `first` gradient goes with B.
             split = schedule.split_backward
-            branches = [idle, forward, backward(not split, True), backward(True, False)]
+            branches = [
+                idle,
+                forward,
+                jax.named_scope("pipeline_backward")(backward(not split, True)),
+                jax.named_scope("pipeline_weight")(backward(True, False)),
+            ]
             out = jax.lax.switch(op, branches)
         else:
             out = jax.lax.cond(op == FORWARD, forward, idle)
@@ -474,13 +483,17 @@ def _run(
         # Transfers: activations forward, cotangents backward, only on steps that send.
         send_f = jnp.where((op == FORWARD) & ~is_last, 1.0, 0.0).astype(h_aval.dtype) * out["send"]
         received = jax.lax.cond(
-            mine["send_forward"], lambda: _shift(send_f, axis, s, 1, r > 1), zero_h
+            mine["send_forward"],
+            jax.named_scope("pipeline_send_forward")(lambda: _shift(send_f, axis, s, 1, r > 1)),
+            zero_h,
         )
         new["inbox"] = _put(new["inbox"], mine["inbox_write"], received, mine["inbox_write"] >= 0)
         if with_grad:
             send_b = jnp.where((op == BACKWARD) & ~is_first, 1.0, 0.0).astype(h_aval.dtype) * out["send"]
             got = jax.lax.cond(
-                mine["send_backward"], lambda: _shift(send_b, axis, s, -1, r > 1), zero_h
+                mine["send_backward"],
+                jax.named_scope("pipeline_send_backward")(lambda: _shift(send_b, axis, s, -1, r > 1)),
+                zero_h,
             )
             new["grad"] = _put(new["grad"], mine["grad_write"], got, mine["grad_write"] >= 0)
         return new, None
@@ -614,3 +627,42 @@ def execute_schedule(
 
     loss_of.defvjp(fwd, bwd)
     return loss_of(params, first_params, last_params, inputs)
+
+
+def schedule_weights(schedule: PipelineSchedule, device: int | None = None) -> dict[str, float]:
+    """How often `execute_schedule`'s step loop runs each kind of work, per loop trip.
+
+    `execute_schedule` names its work with `jax.named_scope`: `pipeline_forward`,
+    `pipeline_backward`, `pipeline_weight` (one per op of the table),
+    `pipeline_first`/`pipeline_last` (the first stage's input function and the last
+    stage's loss, inside those) and `pipeline_send_forward`/`pipeline_send_backward`
+    (the transfers). Its compiled loop runs `K` trips; a collective inside one of these
+    runs on device `device` only in the fraction of the trips given here. Pass the
+    result to `equishard.report.read_collectives(program, weights=...)` to count the
+    collectives of conditional branches as the schedule runs them rather than on every
+    trip.
+
+    **Arguments:**
+
+    - `schedule`: from `pipeline_schedule`.
+    - `device`: the position on the stage axis (default: the last, which runs the loss).
+
+    **Returns:**
+
+    `{scope name: runs / K}`.
+    """
+    s, k = schedule.num_stages, schedule.num_steps
+    d = s - 1 if device is None else device
+    op = schedule.op[:, d]
+    g = schedule.virtual[:, d] * s + d
+    plan = _plan(schedule)
+    last = s * schedule.repeats - 1
+    return {
+        "pipeline_forward": float(np.sum(op == FORWARD)) / k,
+        "pipeline_backward": float(np.sum(op == BACKWARD)) / k,
+        "pipeline_weight": float(np.sum(op == WEIGHT)) / k,
+        "pipeline_first": float(np.sum((op == FORWARD) & (g == 0))) / k,
+        "pipeline_last": float(np.sum((op == FORWARD) & (g == last))) / k,
+        "pipeline_send_forward": float(np.sum(plan.send_forward)) / k,
+        "pipeline_send_backward": float(np.sum(plan.send_backward)) / k,
+    }

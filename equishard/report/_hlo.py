@@ -20,7 +20,10 @@ programs through it.
   missing, the count inferred from the loop condition's compare of a counter against an
   integer constant (start and step from `known_init_step` when present, else 0 and 1).
   A loop whose count cannot be found counts once, with a warning. Every branch of a
-  conditional counts as if it ran (an upper bound).
+  conditional counts as if it ran (an upper bound), unless `weights` says how often:
+  a collective whose `op_name` metadata passes through a named scope in `weights`
+  (the innermost such scope) counts `weights[scope]` times its loop's trips — e.g. an
+  explicit pipeline schedule's branches (`equishard.core.schedule_weights`).
 - Replica groups in every printed form: explicit (`replica_groups={{0,1},{2,3}}`), iota
   (`replica_groups=[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`), mesh axes
   (`replica_groups=mesh['a'=4,'b'=2] {'a'}`, sub-axes `'a':(1)2`), and empty (`{}`: all
@@ -75,7 +78,7 @@ import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -703,7 +706,23 @@ def _program_text(program: Any) -> str:
     return text
 
 
-def read_collectives(program: Any) -> list[CollectiveOp]:
+def _weight(attrs: str, weights: Mapping[str, float] | None) -> float:
+    """The weight of the innermost scope of `weights` on an instruction's `op_name`."""
+    if not weights:
+        return 1.0
+    found = _OP_NAME.search(attrs)
+    if found is None:
+        return 1.0
+    for part in reversed(found.group(1).split("/")):
+        if part in weights:
+            return float(weights[part])
+    return 1.0
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def read_collectives(program: Any, *, weights: Mapping[str, float] | None = None) -> list[CollectiveOp]:
     """List the collectives a compiled program runs.
 
     Reads the optimized HLO (`compiled.as_text()`): what XLA actually runs after its
@@ -719,6 +738,9 @@ def read_collectives(program: Any) -> list[CollectiveOp]:
 
     - `program`: a `jax.stages.Compiled`, a `jax.stages.Lowered` (compiled here), what
         `eqx.filter_jit(f).lower(...)` / `.compile()` return, or the HLO text of a module.
+    - `weights`: optional `{named scope: runs per loop trip}` for collectives in
+        conditional branches (see the module documentation), e.g.
+        `equishard.core.schedule_weights(schedule)`.
 
     **Returns:**
 
@@ -763,7 +785,7 @@ def read_collectives(program: Any) -> list[CollectiveOp]:
                     group_size=n,
                     operand_shapes=operand_shapes,
                     result_shapes=result_shapes,
-                    count=mult[comp],
+                    count=round(mult[comp] * _weight(instr.attrs, weights)),
                     computation=comp,
                     bytes_per_device=_bytes_per_device(kind, n, operand_shapes, result_shapes),
                     name=instr.name,
