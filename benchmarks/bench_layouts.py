@@ -579,9 +579,79 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
         "",
         *overhead_markdown(),
         *lowering_markdown(),
+        *pipeline_markdown(),
         NOTES,
     ]
     return "\n".join(lines) + "\n"
+
+
+def pipeline_markdown() -> list[str]:
+    """The section of `bench_pipeline.py`'s results (nothing before it has run)."""
+    path = RESULTS / "pipeline.json"
+    if not path.exists():
+        return []
+    o = json.loads(path.read_text())
+    from equishard.core import pipeline_schedule, schedule_report
+
+    a = o["args"]
+    rows = o["rows"]
+    gpipe = {r["microbatches"]: r["activation_bytes"] for r in rows if r["schedule"] == "gpipe"}
+    lines = [
+        "## Pipeline schedules",
+        "",
+        f"`python benchmarks/bench_pipeline.py`: `pp={a['pp']}`, {a['layers']} transformer "
+        f"blocks of width {a['width']}, micro-batches of {a['microbatch']} x {a['seq']} tokens "
+        "(fixed), one forward+backward program of the pipeline and a head "
+        "(`PipelineModule.loss`). Per device: temporaries (`memory_analysis`) and "
+        "activations, the part of the temporaries that grows with the micro-batch "
+        "(`temp(2b) − temp(b)`; the parameter-sized buffers cancel).",
+        "",
+        "| schedule | M | temp MiB | activations MiB | / GPipe's | bubble | peak in flight |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        name = r["schedule"] + (f" R={r['repeats']}" if r["repeats"] > 1 else "")
+        ref = gpipe.get(r["microbatches"])
+        ratio = f"{r['activation_bytes'] / ref:.3f}" if ref else "–"
+        lines.append(
+            f"| {name} | {r['microbatches']} | {r['temp_bytes'] / MIB:.2f} | "
+            f"{r['activation_bytes'] / MIB:.2f} | {ratio} | {r['bubble_fraction']:.3f} | "
+            f"{r['peak_in_flight']} |"
+        )
+    bubbles = []
+    for name, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        cells = [
+            f"{schedule_report(pipeline_schedule(name, a['pp'], m, repeats=repeats)).bubble_fraction:.3f}"
+            for m in (8, 16, 32)
+        ]
+        bubbles.append(f"| {name}{f' R={repeats}' if repeats > 1 else ''} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Bubble fractions at `pp={a['pp']}`, read off the tables (`schedule_report`; a forward "
+        "costs one unit, a backward two, ZB-H1's split backward one and one). The CPU cannot "
+        "show a schedule's time — its simulated devices share the cores, so no device ever "
+        "waits for another — and in particular not ZB-H1's gain over 1F1B:",
+        "",
+        "| schedule | M = 8 | M = 16 | M = 32 |",
+        "|---|---:|---:|---:|",
+        *bubbles,
+    ]
+    g = o.get("gpt_bytes")
+    if g:
+        per = ", ".join(f"{b / MIB:.2f}" for b in g["bytes_per_stage_device"])
+        lines += [
+            "",
+            f"Collective bytes of the reference GPT's train step (the model above) on "
+            f"`{g['layout']}`, {g['schedule']}, M = {g['microbatches']}, read with the "
+            f"schedule's weights (`read_collectives(..., weights=schedule_weights(table, "
+            f"device))`): {per} MiB per device on the stage devices, "
+            f"{g['over_ideal']:.3f}x the textbook {g['ideal_bytes'] / MIB:.2f} MiB "
+            f"(GPipe: 1.057x). Unweighted — every branch of every conditional counted on "
+            f"every step — the reader would say {g['unweighted_bytes'] / MIB:.2f} MiB. Below "
+            "the textbook because only the first stage runs the embedding and only the last "
+            "the head and loss (GPipe runs both on every stage).",
+        ]
+    return [*lines, ""]
 
 
 def overhead_markdown() -> list[str]:

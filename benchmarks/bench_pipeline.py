@@ -1,29 +1,30 @@
-"""Benchmark of `equishard.nn.PipelineModule`: GPipe against the circular schedule.
+"""Benchmark of `equishard.nn.PipelineModule`'s five schedules: activation memory and bubble.
 
-For each schedule at `pp` stages (4 by default) it compiles one forward+backward step of
-a stack of transformer blocks (the global loss of equishard's gradient convention, made
-global over the stage axis by `equishard.core.from_last_stage`), times it, and prints:
+For each schedule at `pp` stages (4 by default) and a fixed micro-batch size, it compiles
+one forward+backward program of a stack of transformer blocks and a head (the pipeline
+alone: `PipelineModule.loss`, differentiated in the blocks and the head, not in the
+input) for several micro-batch counts `M`, and prints per device:
 
-- the schedule report (`equishard.core.schedule_report`): steps, bubble fraction read
-  off the schedule (in SPMD every device computes at every step, so the bubble is not
-  measured), and the activation memory each device keeps for the backward pass,
-  estimated as `steps × layers per stage × one layer's residuals for one micro-batch`;
-- what the compiled program says: its temporary memory per device
-  (`memory_analysis`) and the collective-permute bytes each device sends
-  (`equishard.report.read_collectives`);
-- the measured step time (median over `--steps` runs after one warm-up).
+- `temp`: the compiled program's temporaries (`memory_analysis().temp_size_in_bytes`);
+- `activations`: the part of the temporaries that grows with the micro-batch, measured
+  as `temp(2 b) − temp(b)` for micro-batch size `b` (parameter-sized buffers — the
+  gradients' accumulators, the parameters' copies — do not depend on `b` and cancel);
+- the schedule's bubble fraction and peak in-flight micro-batches, read off its table
+  (`equishard.core.schedule_report`; the CPU cannot show a schedule's time, so the
+  bubble is not measured).
 
-On the CPU it simulates 8 devices (`jax_num_cpu_devices=8`, set only there); on a GPU or
-TPU host it uses the real devices (`pp` is capped at the number of devices).
+Results go to `benchmarks/results/pipeline.json`; `--markdown` prints the table that
+`benchmarks/RESULTS.md` shows.
 
-    python benchmarks/bench_pipeline.py [--pp 4] [--layers 8] [--microbatches 4,8]
+    python benchmarks/bench_pipeline.py [--pp 4] [--microbatches 8,16,32] [--schedules 1f1b,gpipe]
+    python benchmarks/bench_pipeline.py --bytes   # the GPT's bytes, pp=2,dp=2,tp=2, M=8, 1F1B
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import json
+import pathlib
 
 import jax  # noqa: E402
 from _common import use_simulated_cpu_devices
@@ -35,9 +36,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import equishard as es  # noqa: E402
-from equishard.core import from_last_stage, pipeline_schedule, schedule_report
+from equishard.core import pipeline_schedule, schedule_report  # noqa: E402
 from equishard.nn import PipelineModule  # noqa: E402
-from equishard.report import collective_bytes, read_collectives
+from equishard.report._hlo import compiled_program  # noqa: E402
 
 
 def _rms(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -78,102 +79,147 @@ class Block(eqx.Module):
         return x + jax.nn.gelu(_rms(x, self.ln2) @ self.w1) @ self.w2
 
 
-def _layer_activation_bytes(args: argparse.Namespace, microbatch: int) -> int:
-    """Bytes one layer keeps for its backward pass on one micro-batch.
+SCHEDULES_ALL = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+import os
 
-    The residuals of a `jax.vjp` of one block with respect to its input and weights,
-    less the weights themselves (they are parameters, not activations).
-    """
-    block = Block(args.width, args.heads, key=jax.random.key(0))
-    x = jnp.zeros((microbatch, args.seq, args.width))
-    _, vjp = jax.vjp(lambda blk, h: blk(h), block, x)
-    params = sum(a.nbytes for a in jax.tree.leaves(eqx.filter(block, eqx.is_array)))
-    saved = sum(a.nbytes for a in jax.tree.leaves(vjp) if hasattr(a, "nbytes"))
-    return max(saved - params, 0)
+SCHEDULES = tuple(s for s in SCHEDULES_ALL if s[0] in os.environ.get("ONLY", "gpipe circular 1f1b interleaved-1f1b zb-h1").split())
 
 
-def _step(mesh: jax.sharding.Mesh, pipe: PipelineModule):
-    def step(pipe, x):
-        def loss_fn(pipe):
-            y = pipe(x)  # f32[B, T, D] on the last stage, zeros elsewhere
-            return from_last_stage(jnp.mean(y**2), "pp")
-
-        return eqx.filter_value_and_grad(loss_fn)(pipe)
-
-    fn = es.filter_shard_map(step, mesh=mesh, in_specs=(None, P()), out_specs=(P(), es.specs_of(pipe)))
-    return jax.jit(fn)
+def _head(w: jax.Array, y: jax.Array, t: jax.Array) -> jax.Array:
+    # f32[b, T, D] @ f32[D] -> f32[b, T]: a regression head and its loss.
+    return jnp.mean((y @ w - t) ** 2)
 
 
-def bench(pp: int, microbatches: int, repeats: int, args: argparse.Namespace) -> list[str]:
-    devices = jax.devices()[:pp]
-    mesh = jax.sharding.Mesh(devices, ("pp",))
-    key = jax.random.key(0)
+def temp_bytes(args: argparse.Namespace, schedule: str, repeats: int, m: int, b: int) -> int:
+    """Temporaries per device of one forward+backward program of the pipeline."""
+    pp = args.pp
+    mesh = jax.sharding.Mesh(jax.devices()[:pp], ("pp",))
     make = lambda k: PipelineModule(  # noqa: E731
-        lambda kk: Block(args.width, args.heads, key=kk),
-        "pp",
-        microbatches,
-        num_layers=args.layers,
-        num_stages=pp,
-        repeats=repeats,
-        key=k,
-    )
-    pipe = es.sharded_init(make, key, mesh=mesh)
-    x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.width))
+        lambda kk: Block(args.width, args.heads, key=kk), "pp", m,
+        num_layers=args.layers, num_stages=pp, repeats=repeats, schedule=schedule, key=k,
+    )  # fmt: skip
+    pipe = es.sharded_init(make, jax.random.key(0), mesh=mesh)
+    x = jnp.zeros((m * b, args.seq, args.width))
+    t = jnp.zeros((m * b, args.seq))
+    w = jnp.zeros((args.width,))
 
-    step = _step(mesh, pipe)
-    compiled = step.lower(pipe, x).compile()
-    ops = read_collectives(compiled)
-    permute_bytes = collective_bytes(ops, "collective-permute")
-    memory = compiled.memory_analysis()
-    temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
+    def step(pipe, w, x, t):
+        def loss_fn(pipe, w):
+            return pipe.loss(x, t, first=lambda _, h: h, last=_head, last_params=w)
 
-    jax.block_until_ready(compiled(pipe, x))  # warm-up
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(pipe, x))
-        times.append(time.perf_counter() - start)
+        return eqx.filter_value_and_grad(loss_fn)(pipe, w)
 
-    layer_bytes = _layer_activation_bytes(args, args.batch // microbatches)
-    report = schedule_report(
-        pipeline_schedule(pp, microbatches, repeats),
-        num_layers=args.layers,
-        layer_activation_bytes=layer_bytes,
-    )
-    temp_text = "n/a" if temp is None else f"{temp / 2**20:.2f} MiB"
-    return [
-        f"  {report}",
-        f"    compiled: temp memory/device {temp_text}, collective-permute "
-        f"{permute_bytes / 2**20:.2f} MiB/device; step time "
-        f"{1e3 * statistics.median(times):.1f} ms (median of {args.steps})",
+    specs = es.specs_of(pipe)
+    fn = es.filter_shard_map(step, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), specs))
+    compiled = eqx.filter_jit(fn).lower(pipe, w, x, t).compile()
+    return int(compiled_program(compiled).memory_analysis().temp_size_in_bytes)
+
+
+def bench(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for schedule, repeats in SCHEDULES:
+        if schedule not in args.schedules:
+            continue
+        for m in args.microbatches:
+            if repeats > 1 and m % args.pp:
+                continue
+            small = temp_bytes(args, schedule, repeats, m, args.microbatch)
+            large = temp_bytes(args, schedule, repeats, m, 2 * args.microbatch)
+            report = schedule_report(pipeline_schedule(schedule, args.pp, m, repeats=repeats))
+            row = {
+                "schedule": schedule, "repeats": repeats, "microbatches": m,
+                "temp_bytes": small, "activation_bytes": large - small,
+                "bubble_fraction": report.bubble_fraction,
+                "peak_in_flight": list(report.peak_in_flight),
+            }  # fmt: skip
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def gpt_bytes(schedule: str, spec: str = "pp=2,dp=2,tp=2", microbatches: int = 8) -> dict:
+    """Bytes per device of the reference GPT's train step (`bench_layouts.py`'s model)
+    under a pipeline schedule, read with the schedule's weights, against the textbook."""
+    import numpy as np
+    from bench_layouts import BATCH, SEQ, _config, equishard_side
+
+    from equishard.core import schedule_weights
+    from equishard.report import collective_bytes, gpt_minimum, read_collectives
+    from equishard.sharding import Layout, param_table
+
+    config = _config(False)
+    layout = Layout(spec, num_microbatches=microbatches, pipeline_schedule=schedule)
+    batch = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, SEQ + 1), dtype=np.int32)
+    side = equishard_side(config, layout, batch)
+    par = layout.parallelism()
+    table = pipeline_schedule(schedule, par.num_stages, microbatches, repeats=par.pipeline_repeats)
+    per_device = []
+    for device in range(par.num_stages):
+        ops = read_collectives(side["compiled"], weights=schedule_weights(table, device))
+        per_device.append(collective_bytes(ops))
+    unweighted = collective_bytes(read_collectives(side["compiled"]))
+    rows = param_table(side["state"].model, side["mesh"])
+    ideal = gpt_minimum(config, layout, batch_size=BATCH, seq_len=SEQ, rows=rows).ideal_total
+    return {
+        "layout": spec, "schedule": schedule, "microbatches": microbatches,
+        "bytes_per_stage_device": per_device, "unweighted_bytes": unweighted,
+        "ideal_bytes": ideal, "over_ideal": max(per_device) / ideal,
+    }  # fmt: skip
+
+
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    ref = {r["microbatches"]: r["activation_bytes"] for r in rows if r["schedule"] == "gpipe"}
+    lines = [
+        "| schedule | M | temp MiB | activations MiB | / GPipe's | bubble | peak in flight |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
+    for r in rows:
+        name = r["schedule"] + (f" R={r['repeats']}" if r["repeats"] > 1 else "")
+        gpipe = ref.get(r["microbatches"])
+        ratio = f"{r['activation_bytes'] / gpipe:.3f}" if gpipe else "–"
+        lines.append(
+            f"| {name} | {r['microbatches']} | {r['temp_bytes'] / 2**20:.2f} | "
+            f"{r['activation_bytes'] / 2**20:.2f} | {ratio} | {r['bubble_fraction']:.3f} | "
+            f"{r['peak_in_flight']} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="GPipe vs circular pipeline: step time and schedule report.")
+    parser = argparse.ArgumentParser(description="Pipeline schedules: activation memory and bubble.")
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="repeats of the circular schedule")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--microbatches", default="4,8", help="comma-separated micro-batch counts")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatch", type=int, default=2, help="examples per micro-batch, b")
+    parser.add_argument("--microbatches", default="8,16,32", help="comma-separated micro-batch counts")
+    parser.add_argument("--schedules", default=",".join(s for s, _ in SCHEDULES), help="comma-separated schedules")
+    parser.add_argument("--markdown", action="store_true", help="print the RESULTS.md table")
+    parser.add_argument("--no-write", dest="write", action="store_false")
+    parser.add_argument("--bytes", action="store_true", help="only the GPT's bytes on pp=2,dp=2,tp=2, M=8, 1F1B")
     args = parser.parse_args()
-
-    pp = min(args.pp, jax.device_count())
+    out = pathlib.Path(__file__).parent / "results" / "pipeline.json"
+    if args.bytes:
+        result = gpt_bytes("1f1b")
+        print(result)
+        if args.write and out.exists():
+            saved = json.loads(out.read_text())
+            out.write_text(json.dumps({**saved, "gpt_bytes": result}, indent=1) + "\n")
+        return
+    args.microbatches = [int(v) for v in args.microbatches.split(",")]
+    args.schedules = args.schedules.split(",")
+    args.pp = min(args.pp, jax.device_count())
     print(
-        f"{jax.devices()[0].platform} × {jax.device_count()} devices; pp={pp}; "
-        f"{args.layers} blocks of width {args.width}, batch {args.batch} × {args.seq} tokens"
+        f"{jax.devices()[0].platform} x {jax.device_count()} devices; pp={args.pp}; "
+        f"{args.layers} blocks of width {args.width}, micro-batches of {args.microbatch} x "
+        f"{args.seq} tokens"
     )
-    for m in (int(v) for v in args.microbatches.split(",")):
-        for repeats in (1, args.repeats):
-            if repeats > 1 and m % pp:
-                print(f"  circular R={repeats} skipped for M={m}: M must be a multiple of pp={pp}")
-                continue
-            for line in bench(pp, m, repeats, args):
-                print(line)
+    rows = bench(args)
+    if args.write:
+        out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        print(markdown(rows, args))
 
 
 if __name__ == "__main__":
