@@ -125,7 +125,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--config", default=None, metavar="FILE", help="a TOML file of options (any option below, as batch_size = 16 or batch-size = 16); flags given here override it. A run writes its resolved options to <run-dir>/config.toml")
-    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), cp (context: the sequence), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2' or 'dp=2,cp=4'")
+    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), cp (context: the sequence), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2' or 'dp=2,cp=4'; one size may be -1 to fill the devices ('fsdp=-1,tp=2')")
     p.add_argument("--model", default=d.model, choices=list(PRESETS), help="model size preset (the registry inspect and plan share; one too large for this machine is refused)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train for")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
