@@ -153,7 +153,6 @@ GQA_BLOCKS: dict[str, tuple[int, bool, str]] = {
     "mqa": (1, True, "megatron"),
 }
 GQA_LAYOUTS = {
-    "dp=1,tp=2": ("gqa_split", "gqa_replicated", "mqa"),
     "dp=1,tp=4": ("gqa_split", "gqa_replicated", "mqa"),
     "dp=1,tp=8": ("gqa_replicated", "mqa"),
     "dp=2,tp=4": ("gqa_split", "gqa_replicated", "mqa"),
