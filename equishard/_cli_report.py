@@ -51,6 +51,7 @@ def _layout(args: argparse.Namespace) -> Any:
         sequence_parallel=args.sequence_parallel,
         num_microbatches=args.microbatches,
         pipeline_repeats=args.pipeline_repeats,
+        pipeline_schedule=args.pipeline_schedule,
         cp_impl=args.cp_impl,
     )
 
@@ -340,6 +341,8 @@ def _duration(seconds: float) -> str:
 
 
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
+    from .core import SCHEDULES
+
     p.add_argument("--dtype", default="float32", choices=tuple(_DTYPES), help="compute dtype (the loss casts the parameters to it, as train --dtype does)")
     p.add_argument("--param-dtype", default="float32", choices=tuple(_DTYPES), help="dtype the parameters and optimizer moments are stored in")
     p.add_argument("--wide", action="store_true", help=f"print every table at full width (default: fit {WIDTH} columns)")
@@ -347,6 +350,7 @@ def _add_layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-impl", default="ring", choices=("ring", "alltoall"), help="attention over a cp axis: ring attention or all-to-all (Ulysses)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
     p.add_argument("--pipeline-repeats", type=int, default=1, help="stages per device with pp (1: GPipe, more: circular)")
+    p.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES, help="pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)")
 
 
 def _device_names() -> list[str]:

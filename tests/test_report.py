@@ -372,3 +372,16 @@ def test_context_parallel_step_sends_its_analytical_minimum(layout, term):
     assert abs(measured / terms[0].bytes - 1) < 1e-3, (measured, terms[0].bytes)
     assert r.ratio is not None and 0.999 <= r.ratio <= 1.05, r.ratio
     assert term in str(r)
+
+
+def test_inspect_reads_an_explicit_schedule_with_its_weights(capsys):
+    """1F1B's conditional branches counted as its table runs them: below GPipe's bytes,
+    none of the bubble's re-runs (only the last stage runs the head, the first the
+    embedding, so the last stage's device sends less than the minimum assumes)."""
+    argv = ["--model", "tiny", "--layout", "pp=2,dp=2,tp=2", "--microbatches", "4", "--batch-size", "8", "--seq-len", "32"]
+    assert main(["inspect", *argv, "--no-params", "--pipeline-schedule", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b schedule, collectives of the last" in out
+    found = re.search(r"collectives ([\d.]+) KiB per device per step, ([\d.]+) x the analytical", out)
+    assert found is not None, out
+    assert 0.85 <= float(found.group(2)) <= 1.0

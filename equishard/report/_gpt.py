@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import LayerConfigError, MeshError
+from ..core import pipeline_schedule, schedule_weights
 from ..models import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
 from ..sharding import Layout, param_table, specs_of
 from ..sharding._specs import is_array_like, is_spec
@@ -273,7 +274,16 @@ def gpt_report(
         f"{seq_len} tokens; {jnp.dtype(dtype).name} compute, {jnp.dtype(param_dtype).name} "
         f"parameters"
     ) + (f"; {optimizer_name}" if optimizer_name else "")
-    r = report(compiled, mesh=step.mesh, params=rows, minimum=minimum, description=description)
+    par = layout.parallelism(step.mesh.devices.size)
+    weights = None
+    if par.pipeline and par.pipeline_schedule not in (None, "gpipe", "circular"):
+        # An explicit schedule's branches run as its table says (the last stage's device).
+        table = pipeline_schedule(
+            par.pipeline_schedule, par.num_stages, par.num_microbatches, repeats=par.pipeline_repeats
+        )
+        weights = schedule_weights(table)
+        description += f"; {par.pipeline_schedule} schedule, collectives of the last stage's device"
+    r = report(compiled, mesh=step.mesh, params=rows, minimum=minimum, description=description, weights=weights)
     facts = {
         "lower_seconds": step.lower_seconds,
         "compile_seconds": compile_seconds,

@@ -321,15 +321,19 @@ class _Setting:
     seq: int  # tokens per sequence
     tokens: int  # tokens per device's shard (data and context) per step
     activation: float  # A: bytes of [tokens per data shard, d_model]
+    explicit: bool = False  # an explicit pipeline schedule (1F1B, ...): idle steps run nothing
 
     def size(self, axes: Iterable[str]) -> int:
         return math.prod(self.sizes[a] for a in axes)
 
     @property
     def steps(self) -> int:
-        """Stage calls per device per pass: `T = R M + S − 1` (1 without a pipeline)."""
+        """Stage calls per device per pass: `T = R M + S − 1` (1 without a pipeline; `R M`
+        with an explicit schedule, whose idle steps call no stage)."""
         if self.stages == 1:
             return 1
+        if self.explicit:
+            return self.repeats * self.microbatches
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -366,6 +370,7 @@ def _setting(config: GPTConfig, layout: Layout, batch_size: int, seq_len: int, n
         seq=seq_len,
         tokens=tokens,
         activation=float(tokens * config.d_model * F32),
+        explicit=par.pipeline_schedule not in (None, "gpipe", "circular"),
     )
 
 

@@ -168,6 +168,7 @@ def report(
     params: Sequence[ParamRow] = (),
     minimum: Minimum | None = None,
     description: str = "",
+    weights: Mapping[str, float] | None = None,
 ) -> StepReport:
     """Read the collectives and memory of a compiled program into a `StepReport`.
 
@@ -184,6 +185,8 @@ def report(
     - `params`: the per-parameter table to include (`equishard.param_table(model, mesh)`).
     - `minimum`: an analytical `Minimum` to compare with (e.g. `gpt_minimum`).
     - `description`: a line saying what was compiled.
+    - `weights`: how often conditional branches run (`read_collectives`'s `weights`,
+      e.g. `equishard.core.schedule_weights` of an explicit pipeline schedule).
 
     **Returns:**
 
@@ -193,7 +196,7 @@ def report(
     shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh or {})
     rows = tuple(  # the module is parsed once, by the reader
         CollectiveRow(op, collective_axes(op, shape) if shape else None)
-        for op in read_collectives(program)
+        for op in read_collectives(program, weights=weights)
     )
     memory = None if isinstance(program, str) else memory_stats(program)
     return StepReport(rows, memory, tuple(params), minimum, shape, description)
