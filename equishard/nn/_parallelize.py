@@ -626,7 +626,8 @@ def parallelize(
         _probe(model, parallel, probe, mesh, axis_name, rtol)
         return parallel
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if eqx.is_array(x) else None, model)
-    cache_key = (id(probe), id(mesh), axis_name, str(jax.tree.structure(model)), str(shapes))
+    plan_key = tuple((pattern.pattern, style) for pattern, style in compiled)
+    cache_key = (probe, mesh, axis_name, plan_key, rtol, str(jax.tree.structure(model)), str(shapes))
     if cache_key not in _PROBED:
         stand_in = _stand_in(model)
         _probe(stand_in, _convert(stand_in, compiled, axis_name, n)[0], probe, mesh, axis_name, rtol)
