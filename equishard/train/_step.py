@@ -483,8 +483,14 @@ def make_train_step(
             scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         params = eqx.filter(state.model, eqx.is_array)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(updates)
+        # The guard reads every update before any is applied; computed once for it and
+        # once more to apply (the second behind a barrier, so XLA neither merges the
+        # two nor keeps the first), no update outlives its fusion: the step holds the
+        # gradients, not also a parameter-sized update and new moments at once.
+        checked, _ = optimizer.update(grads, state.opt_state, params)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
+        grads, opt_in, params, ok = jax.lax.optimization_barrier((grads, state.opt_state, params, ok))
+        updates, opt_state = optimizer.update(grads, opt_in, params)
         model = eqx.apply_updates(state.model, updates)
         global_batch = jax.tree.leaves(batch)[0].shape[0]
         new_state = TrainState(
