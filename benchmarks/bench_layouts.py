@@ -52,6 +52,7 @@ import time
 from typing import Any
 
 from _common import timed, use_simulated_cpu_devices
+from bench_memory import memory_markdown
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -580,6 +581,7 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
         *overhead_markdown(),
         *lowering_markdown(),
         *pipeline_markdown(),
+        *memory_markdown(),
         NOTES,
     ]
     return "\n".join(lines) + "\n"

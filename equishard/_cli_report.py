@@ -198,13 +198,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _other_argument_bytes(args: argparse.Namespace, layout: Any, num_devices: int) -> int:
-    """Analytical argument bytes besides the state: the batch shard, counters and key."""
-    data = layout.data_parallel_size(num_devices)
-    batch = args.batch_size // data * (args.seq_len + 1) * 4
-    return batch + 3 * 4 + 8  # int32 step, data position, skipped; a threefry key
-
-
 def _plan(args: argparse.Namespace) -> int:
     from ._text import fill, human_bytes
     from .report import DEVICE_PROFILES, format_report
@@ -233,7 +226,8 @@ def _plan(args: argparse.Namespace) -> int:
     lines = []
     state = facts["state_bytes"]
     if memory is not None:
-        expected = state + _other_argument_bytes(args, layout, args.devices)
+        # The state, the batch shard and the counters.
+        expected = report.estimate.arguments if report.estimate is not None else state
         lines.append(
             f"parameters + optimizer state per device: {human_bytes(state)} by their specs "
             f"(analytical); the compiled step's arguments {human_bytes(memory.argument_bytes)} "

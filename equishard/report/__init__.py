@@ -35,6 +35,11 @@ from ._hlo import (
     parse_replica_groups as parse_replica_groups,
     read_collectives as read_collectives,
 )
+from ._memory import (
+    MemoryEstimate as MemoryEstimate,
+    format_memory_estimate as format_memory_estimate,
+    gpt_memory as gpt_memory,
+)
 from ._minimum import (
     Minimum as Minimum,
     Term as Term,

@@ -27,6 +27,7 @@ from ..models import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
 from ..sharding import Layout, param_table, specs_of
 from ..sharding._specs import is_array_like, is_spec
 from ..train import TrainState, init_train_state, make_train_step
+from ._memory import gpt_memory
 from ._minimum import gpt_minimum, state_bytes
 from ._report import StepReport, report
 
@@ -283,7 +284,16 @@ def gpt_report(
         )
         weights = schedule_weights(table)
         description += f"; {par.pipeline_schedule} schedule, collectives of the last stage's device"
-    r = report(compiled, mesh=step.mesh, params=rows, minimum=minimum, description=description, weights=weights)
+    batch_bytes = batch_size // layout.data_parallel_size(step.mesh.devices.size) * (seq_len + 1) * 4
+    estimate = gpt_memory(
+        config, layout, batch_size=batch_size, seq_len=seq_len, params=rows,
+        optimizer_state=param_table(step.state.opt_state, step.mesh),
+        num_devices=step.mesh.devices.size, other_arguments=batch_bytes + 3 * 4 + 8,
+    )  # fmt: skip
+    r = report(
+        compiled, mesh=step.mesh, params=rows, minimum=minimum, description=description,
+        weights=weights, estimate=estimate,
+    )  # fmt: skip
     facts = {
         "lower_seconds": step.lower_seconds,
         "compile_seconds": compile_seconds,

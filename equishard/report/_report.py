@@ -22,6 +22,7 @@ from .._text import fill, human_bytes, text_table
 from ..sharding import ParamRow
 from ._axes import collective_axes
 from ._hlo import CollectiveOp, compiled_program, format_shapes, read_collectives
+from ._memory import MemoryEstimate, format_memory_estimate
 from ._minimum import Minimum, format_minimum
 
 __all__ = ["CollectiveRow", "MemoryStats", "StepReport", "format_report", "memory_stats", "report"]
@@ -129,6 +130,7 @@ class StepReport:
     - `minimum`: the analytical `Minimum`, or `None`.
     - `mesh_shape`: the mesh's `{axis: size}`.
     - `description`: what was compiled.
+    - `estimate`: the analytical per-device memory by category (`gpt_memory`), or `None`.
     """
 
     collectives: tuple[CollectiveRow, ...]
@@ -137,6 +139,7 @@ class StepReport:
     minimum: Minimum | None = None
     mesh_shape: Mapping[str, int] = dataclasses.field(default_factory=dict)
     description: str = ""
+    estimate: MemoryEstimate | None = None
 
     @property
     def collective_bytes(self) -> float:
@@ -169,6 +172,7 @@ def report(
     minimum: Minimum | None = None,
     description: str = "",
     weights: Mapping[str, float] | None = None,
+    estimate: MemoryEstimate | None = None,
 ) -> StepReport:
     """Read the collectives and memory of a compiled program into a `StepReport`.
 
@@ -187,6 +191,7 @@ def report(
     - `description`: a line saying what was compiled.
     - `weights`: how often conditional branches run (`read_collectives`'s `weights`,
       e.g. `equishard.core.schedule_weights` of an explicit pipeline schedule).
+    - `estimate`: an analytical `MemoryEstimate` to print beside the compiler's memory.
 
     **Returns:**
 
@@ -199,7 +204,7 @@ def report(
         for op in read_collectives(program, weights=weights)
     )
     memory = None if isinstance(program, str) else memory_stats(program)
-    return StepReport(rows, memory, tuple(params), minimum, shape, description)
+    return StepReport(rows, memory, tuple(params), minimum, shape, description, estimate)
 
 
 # ---------------------------------------------------------------------------- format
@@ -304,6 +309,9 @@ def format_report(r: StepReport, width: int | None = None) -> str:
         ))  # fmt: skip
     if r.memory is not None:
         out += ["", "Memory per device (the compiler's memory analysis):", format_memory(r.memory)]
+    if r.estimate is not None:
+        compiled = (r.memory.argument_bytes, r.memory.temp_bytes) if r.memory is not None else (None, None)
+        out += ["", format_memory_estimate(r.estimate, *compiled)]
     if r.params:
         out += ["", "Parameters:", format_params(r.params, width)]
     return "\n".join(out)

@@ -1,0 +1,208 @@
+"""Analytical per-device memory of the reference GPT's train step, by category.
+
+`gpt_memory` derives, from the model's shapes and the layout alone, what one device
+holds: the parameters and the optimizer state (by their specs), the gradients (split
+like the parameters), and the activations the backward pass needs, which the
+rematerialisation policy decides. Formulas (bytes per device; `t` the tokens of one
+data shard, `n` the tensor axis, `L` the layers, `x` one residual-stream activation
+`[t(/n with sequence parallelism), D]`, `g` a gathered block input `[t, D]` under
+sequence parallelism, floats of 4 bytes unless the model's dtype says otherwise):
+
+- **saved per layer** beyond `full` (which keeps each layer's input `x` only):
+  `minimal` keeps the fused QKV output `[t, (D + 2 H_kv hd)/n]`, the attention output
+  projection `x`, the MLP up projection `[t, 2F/n]` (SwiGLU) and, under sequence
+  parallelism, the two gathered block inputs `2 g` (the collectives' outputs, so nothing
+  is sent twice); `minimal_with_context` adds the context `[t, D/n]`; `dots` keeps
+  the QKV, the output projection before its reduction `[t, D]` and the up projection;
+  `none` keeps everything a layer's backward pass reads (`w` below).
+- **saved activations** (what the compiler's temporaries under a policy exceed those
+  under `full` by): `(L − 1)` layers' saved sets — the layer being differentiated holds
+  its set under `full` too, recomputed.
+- **working set** of the backward pass: the `L` layer inputs, one layer's full set `w`
+  (norm inputs and outputs, QKV, rotary queries and keys, attention scores and
+  probabilities `[t, T, H/n]` each, context, projections, MLP activations) and the
+  logits with their softmax and gradient (`3 [t, V/n]`).
+- **the update**: the gradients, and the new optimizer state built beside the old one.
+
+The temporaries are the gradients plus the larger of the backward pass's activations
+and the update's new optimizer state. Under FSDP each unit gathers its parameters
+again in the backward pass and recomputes its forward there, keeping only its input
+and its other collectives' outputs whatever the policy other than `full` (`full`'s set
+plus, with a tensor axis, the reduced outputs `2 x` and under sequence parallelism the
+gathers `2 g`), and one unit's parameters are whole at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from .._text import human_bytes
+from ..models import GPTConfig
+from ..nn._remat import REMAT_POLICIES
+from ..sharding import Layout, ParamRow
+from ._minimum import _is_unit, _setting
+
+__all__ = ["MemoryEstimate", "format_memory_estimate", "gpt_memory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Analytical per-device memory of a train step, by category (see `gpt_memory`).
+
+    **Fields:**
+
+    - `parameters`, `optimizer_state`, `gradients`: bytes per device by their specs.
+    - `remat`: the policy the step runs with.
+    - `saved_activations`: for each remat policy, the bytes its layers keep for the
+      backward pass beyond what `full` keeps (under FSDP the same for every policy).
+    - `working_set`: the backward pass's other activations (layer inputs, one layer
+      recomputed, the logits).
+    - `update`: the new optimizer state built during the update.
+    - `other_arguments`: the batch shard and the counters.
+    """
+
+    parameters: int
+    optimizer_state: int
+    gradients: int
+    remat: str
+    saved_activations: Mapping[str, int]
+    working_set: int
+    update: int
+    other_arguments: int = 0
+
+    @property
+    def arguments(self) -> int:
+        """What the step is given: parameters, optimizer state, batch and counters."""
+        return self.parameters + self.optimizer_state + self.other_arguments
+
+    @property
+    def temporaries(self) -> int:
+        """Gradients plus the larger of the backward pass's activations and the update."""
+        backward = self.saved_activations[self.remat] + self.working_set
+        return self.gradients + max(backward, self.update)
+
+    @property
+    def total(self) -> int:
+        """Arguments plus temporaries: the peak per device."""
+        return self.arguments + self.temporaries
+
+
+def _per_layer(config: GPTConfig, t: float, tp: int, sp: bool, seq_len: int, itemsize: int) -> dict[str, float]:
+    """Bytes of one layer's activations, per device."""
+    d, f = config.d_model, config.d_ff
+    hd = d // config.n_heads
+    kv_heads = config.n_kv_heads or config.n_heads
+    kv_local = max(kv_heads // tp, 1)
+    x = t * d / (tp if sp else 1)
+    g = t * d if sp else 0.0
+    qkv = t * (d / tp + 2 * kv_local * hd)
+    context = t * d / tp
+    mlp_in = t * 2 * f / tp
+    scores = t * seq_len * config.n_heads / tp
+    rotary = t * (d / tp + kv_local * hd)
+    everything = (
+        4 * x + 2 * g + qkv + rotary + 2 * scores + context + x + mlp_in + t * 2 * f / tp + x
+    )
+    values = {
+        "x": x,
+        "full": 0.0,
+        "minimal": qkv + x + mlp_in + 2 * g,
+        "minimal_with_context": qkv + x + mlp_in + 2 * g + context,
+        "dots": qkv + t * d + mlp_in,
+        "none": everything,
+        "fsdp": (2 * x if tp > 1 else 0.0) + 2 * g,
+    }
+    return {k: v * itemsize for k, v in values.items()}
+
+
+def gpt_memory(
+    config: GPTConfig,
+    layout: Layout,
+    *,
+    batch_size: int,
+    seq_len: int,
+    params: Sequence[ParamRow],
+    optimizer_state: Sequence[ParamRow],
+    num_devices: int | None = None,
+    other_arguments: int = 0,
+) -> MemoryEstimate:
+    """The analytical per-device memory of the reference GPT's train step.
+
+    See the module's documentation for every formula; `equishard inspect` prints it
+    beside the compiler's figure (see the "Inspect and plan" guide).
+
+    **Arguments:**
+
+    - `config`, `layout`: the model (its `remat` is the policy the step runs with) and
+      the layout.
+    - `batch_size`, `seq_len`: the global batch in sequences and their length.
+    - `params`, `optimizer_state`: the per-array tables (`equishard.sharding.param_table`)
+      of the model and of the optimizer state.
+    - `num_devices`: the devices (default: the layout's size).
+    - `other_arguments`: bytes of the step's other arguments (batch shard, counters).
+
+    **Returns:**
+
+    A `MemoryEstimate`.
+    """
+    num_devices = num_devices or math.prod(layout.axes().values())
+    s = _setting(config, layout, batch_size, seq_len, num_devices)
+    itemsize = params[0].total_bytes // max(math.prod(params[0].shape), 1) if params else 4
+    t = s.tokens / s.microbatches
+    layer = _per_layer(config, t, s.tp, s.sequence_parallel, seq_len, itemsize)
+    layers = config.n_layers // max(s.stages, 1)
+    fsdp = s.sizes.get("fsdp", 1) > 1
+    parameters = sum(r.bytes_per_device for r in params)
+    saved = {
+        name: int((layers - 1) * (layer["fsdp"] if fsdp and name != "full" else layer[name]))
+        for name in REMAT_POLICIES
+    }
+    logits = 3 * t * config.vocab_size / s.tp * 4
+    working = layers * layer["x"] + layer["none"] + logits
+    if fsdp:  # one unit's parameters whole
+        unit = sum(r.bytes_per_device for r in params if _is_unit(r.path)) / max(layers, 1)
+        working += unit * s.sizes["fsdp"]
+    return MemoryEstimate(
+        parameters=parameters,
+        optimizer_state=sum(r.bytes_per_device for r in optimizer_state),
+        gradients=parameters,
+        remat=config.remat,
+        saved_activations=saved,
+        working_set=int(working),
+        update=sum(r.bytes_per_device for r in optimizer_state),
+        other_arguments=other_arguments,
+    )
+
+
+def format_memory_estimate(estimate: MemoryEstimate, compiled_arguments: int | None = None, compiled_temporaries: int | None = None) -> str:
+    """The estimate as text, beside the compiler's figures where given."""
+    rows = [
+        ("parameters", estimate.parameters),
+        ("optimizer state", estimate.optimizer_state),
+        ("gradients", estimate.gradients),
+        (f"saved activations beyond 'full' (remat={estimate.remat})", estimate.saved_activations[estimate.remat]),
+        ("backward working set (layer inputs, one layer recomputed, logits)", estimate.working_set),
+        ("update (the new optimizer state)", estimate.update),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = ["Memory per device (analytical):"]
+    lines += [f"{name:<{width}}  {human_bytes(value)}" for name, value in rows]
+    others = ", ".join(
+        f"{name} {human_bytes(value)}" for name, value in estimate.saved_activations.items()
+    )
+    lines.append(f"saved activations by remat policy: {others}")
+    lines.append(
+        f"arguments {human_bytes(estimate.arguments)}, temporaries {human_bytes(estimate.temporaries)}, "
+        f"total {human_bytes(estimate.total)}"
+        + (
+            f"; compiled: arguments {human_bytes(compiled_arguments)}, temporaries "
+            f"{human_bytes(compiled_temporaries)}, total "
+            f"{human_bytes(compiled_arguments + compiled_temporaries)} "
+            f"(ratio {(compiled_arguments + compiled_temporaries) / estimate.total:.3f})"
+            if compiled_arguments is not None and compiled_temporaries is not None
+            else ""
+        )
+    )
+    return "\n".join(lines)
