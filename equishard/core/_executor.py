@@ -38,6 +38,7 @@ from jaxtyping import Array, PyTree
 
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
+from ._pipeline import check_stage_output
 from ._schedule import BACKWARD, FORWARD, IDLE, WEIGHT, PipelineSchedule
 
 # ----------------------------------------------------------------------------------------
@@ -248,16 +249,6 @@ class _Stage:
         return jax.tree.unflatten(self.treedef, leaves)(cotangent)
 
 
-def _check_stage_output(out: Any, h: Any, what: str) -> None:
-    if not hasattr(out, "shape") or tuple(out.shape) != tuple(h.shape) or out.dtype != h.dtype:
-        got = f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape") else type(out).__name__
-        raise LayerConfigError(
-            f"{what} returned {got} for an input {h.dtype}{list(h.shape)}; a pipeline "
-            f"stage must return an activation of the same shape and dtype as its input "
-            f"(it is sent on to the next stage)."
-        )
-
-
 def _run(
     stage: Callable,
     first: Callable | None,
@@ -293,7 +284,7 @@ def _run(
     while True:
         h0 = cast_varying(jnp.zeros(raw.shape, raw.dtype), h_axes)
         out = jax.eval_shape(stage, chunk0, h0)
-        _check_stage_output(out, h0, "execute_schedule: the stage")
+        check_stage_output(out, h0, "execute_schedule: the stage")
         if varying_axes(out) <= h_axes:
             break
         h_axes = h_axes | varying_axes(out)
