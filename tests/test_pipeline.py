@@ -618,6 +618,13 @@ def test_explicit_schedule_errors():
         PipelineModule(TanhBlock, "pp", 2, num_layers=4, num_stages=2, repeats=2, schedule="zb-h1", key=jax.random.key(0))
     with pytest.raises(es.LayerConfigError, match="cannot be split into num_microbatches=2"):
         _trace(lambda p, x: p.loss(x, x[..., 0], last=_head, last_params=jnp.ones(D)), mesh, pipe, jnp.ones((3, T, D)))
+    with pytest.raises(es.LayerConfigError, match=r"execute_schedule: the stage returned float32\[2, 4, 8\]"):
+        _trace(
+            lambda x: execute_schedule(lambda p, h: h[..., :8], jnp.ones((1, 2)), x, x[..., 0], last=_head,
+                                       last_params=jnp.ones(D), schedule=pipeline_schedule("1f1b", 2, 2),
+                                       model_axis_name="pp"),
+            mesh, x,
+        )  # fmt: skip
     wrong = PipelineModule(TanhBlock, "pp", 2, num_layers=4, num_stages=4, schedule="1f1b", key=jax.random.key(0))
     with pytest.raises(es.LayerConfigError, match="num_stages=4.*size 2"):
         _trace(lambda p, x: p.loss(x, x[..., 0], last=_head, last_params=jnp.ones(D)), mesh, wrong, x)
@@ -667,10 +674,3 @@ def test_schedule_weights_match_runtime_counts():
     assert max(op.count for op in plain if op.kind == "all-reduce" and op.operand_shapes == (("f32", (2, D)),)) == k
     permutes = [op for op in weighted if op.kind == "collective-permute"]
     assert sorted(op.count for op in permutes) == [4, 4]  # M activations forward, M cotangents back
-    with pytest.raises(es.LayerConfigError, match=r"execute_schedule: the stage returned float32\[2, 4, 8\]"):
-        _trace(
-            lambda x: execute_schedule(lambda p, h: h[..., :8], jnp.ones((1, 2)), x, x[..., 0], last=_head,
-                                       last_params=jnp.ones(D), schedule=pipeline_schedule("1f1b", 2, 2),
-                                       model_axis_name="pp"),
-            mesh, x,
-        )  # fmt: skip
