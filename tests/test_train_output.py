@@ -211,10 +211,12 @@ def _events(path: pathlib.Path) -> list:
     """The events of a TensorBoard file (TFRecord framing: length, its CRC, data, CRC)."""
     from tensorboardX.proto import event_pb2
 
+    # protobuf builds the message classes when the module loads: no static attribute.
+    event_class = getattr(event_pb2, "Event")
     data, at, out = path.read_bytes(), 0, []
     while at < len(data):
         (length,) = struct.unpack("<Q", data[at : at + 8])
-        event = event_pb2.Event()
+        event = event_class()
         event.ParseFromString(data[at + 12 : at + 12 + length])
         out.append(event)
         at += 12 + length + 4
