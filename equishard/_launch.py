@@ -15,8 +15,8 @@ processes share no memory and talk through gloo over TCP, exactly as hosts would
 Each line the processes print is prefixed with their id (`[0] ...`, `[1] ...`; stdout
 to stdout, stderr to stderr), whole: two processes' lines never interleave, whichever
 streams they come on. Gloo's "Rank N is connected to M peer ranks" notices (one per
-process and peer, written by its C++ runtime, sometimes into the middle of another line)
-are dropped. If one process fails (a non-zero exit or a signal), or
+process and peer, written by its C++ runtime piece by piece, sometimes into the middle of
+another line or of each other) are dropped. If one process fails (a non-zero exit or a signal), or
 the launcher itself gets SIGINT or SIGTERM, the others are stopped: SIGTERM to each
 one's process group, then SIGKILL after a grace period (`--grace`, 5 s). JAX's
 distributed runtime catches SIGTERM as a preemption notice (a program may poll
@@ -54,6 +54,10 @@ _POLL_SECONDS = 0.05
 # Gloo's connection notice, written once per process and peer by its C++ runtime.
 _GLOO_NOTICE = re.compile(
     rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n"
+)
+# The literal pieces that notice is written in: two threads' pieces may interleave.
+_GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer ranks is : "
 )
 
 
@@ -115,13 +119,23 @@ def _without_gloo_notices(text: bytes) -> bytes:
     return text
 
 
+def _is_gloo_debris(line: bytes, after_debris: bool) -> bool:
+    """Whether `line` is what is left of Gloo notices whose pieces interleaved: nothing
+    but their literal pieces, numbers and blanks (a line of only numbers or blanks
+    counts when it follows such a line: a notice's number may come after another's end
+    of line)."""
+    rest, pieces = _GLOO_PIECES.subn(b"", line)
+    return not rest.strip(b" 0123456789\r\n") and (pieces > 0 or after_debris)
+
+
 class _Pump(threading.Thread):
     """Copy a child's output stream to ours, each line prefixed with the child's id.
 
     Lines end at `\\n` or `\\r` (a progress bar redraws its line with `\\r`), so a
     redrawn line is prefixed too. Each is written whole under a lock that every pump
     shares, so no two lines interleave. Gloo's connection notices are cut out first,
-    even from the middle of another line.
+    even from the middle of another line, and lines made of their interleaved pieces
+    are dropped.
     """
 
     def __init__(self, source: IO[bytes], sink: IO[bytes], prefix: bytes, lock: threading.Lock):
@@ -134,17 +148,20 @@ class _Pump(threading.Thread):
             self._sink.flush()
 
     def run(self) -> None:
-        pending = b""
+        pending, after_debris = b"", False
         fd = self._source.fileno()
         while chunk := os.read(fd, 65536):
             pending = _without_gloo_notices(pending + chunk)
             start = 0
             for i, byte in enumerate(pending):
                 if byte in b"\n\r":
-                    self._write(pending[start : i + 1])
+                    line = pending[start : i + 1]
+                    after_debris = _is_gloo_debris(line, after_debris)
+                    if not after_debris:
+                        self._write(line)
                     start = i + 1
             pending = pending[start:]
-        if pending:
+        if pending and not _is_gloo_debris(pending, after_debris):
             self._write(pending + b"\n")
         self._source.close()
 

@@ -331,6 +331,12 @@ for i in range(30):
         time.sleep(0.002)
         stream.write("x" * 40 + "\\n")
         stream.flush()
+        if i % 3 == 1:  # two threads write a notice each, piece by piece, one a piece behind
+            pieces = [["[Gloo] Rank ", str(r), " is connected to ", "1", " peer ranks. ",
+                       "Expected number of connected peer ranks is : ", "1", "\\n"] for r in (0, 1)]
+            for a, b in zip(pieces[0] + [""], [""] + pieces[1]):
+                stream.write(a + b)
+                stream.flush()
 """
 
 

@@ -194,8 +194,9 @@ def _as_nobody(script, *args):
     """Run `script` in a child that imports equishard as root, then drops to `nobody`
     (tests run as root, which may write into a read-only directory).
 
-    Every module of equishard is imported before the drop: the checkout (and a venv
-    inside it) may sit in a directory only root can read."""
+    Every module of equishard is imported, and JAX's lazily imported ones by a first
+    computation on 8 CPU devices, before the drop: the checkout (and a venv inside it)
+    may sit in a directory only root can read."""
     prologue = textwrap.dedent(
         """
         import importlib, os, pkgutil, sys
@@ -206,6 +207,9 @@ def _as_nobody(script, *args):
                 importlib.import_module(module.name)
         from equishard._app import load_stdlib_corpus
         load_stdlib_corpus()  # cached: the interpreter's files are root's here
+        import jax, jax.numpy as jnp
+        jax.config.update("jax_num_cpu_devices", 8)
+        jax.jit(jnp.add)(jnp.arange(2), 1).block_until_ready()  # JAX imports some lazily
         if os.geteuid() == 0:
             os.setgid(65534)
             os.setuid(65534)
@@ -393,8 +397,6 @@ def test_read_only_checkpoints_with_resume_fail_at_once(open_tmp):
     os.chown(open_tmp / "run", 65534, 65534)  # the run directory is writable, the other not
     result = _as_nobody(
         """
-        import jax
-        jax.config.update("jax_num_cpu_devices", 8)
         from equishard._cli import main
         sys.exit(main(sys.argv[1:]))
         """,

@@ -38,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from .._text import human_bytes
+from .._text import fill, human_bytes
 from ..models import GPTConfig
 from ..nn._remat import REMAT_POLICIES
 from ..sharding import Layout, ParamRow
@@ -176,8 +176,14 @@ def gpt_memory(
     )
 
 
-def format_memory_estimate(estimate: MemoryEstimate, compiled_arguments: int | None = None, compiled_temporaries: int | None = None) -> str:
-    """The estimate as text, beside the compiler's figures where given."""
+def format_memory_estimate(
+    estimate: MemoryEstimate,
+    compiled_arguments: int | None = None,
+    compiled_temporaries: int | None = None,
+    width: int | None = None,
+) -> str:
+    """The estimate as text, beside the compiler's figures where given (`width`: the
+    most columns a line takes, `None` for no limit)."""
     rows = [
         ("parameters", estimate.parameters),
         ("optimizer state", estimate.optimizer_state),
@@ -186,14 +192,14 @@ def format_memory_estimate(estimate: MemoryEstimate, compiled_arguments: int | N
         ("backward working set (layer inputs, one layer recomputed, logits)", estimate.working_set),
         ("update (the new optimizer state)", estimate.update),
     ]
-    width = max(len(name) for name, _ in rows)
+    name_width = max(len(name) for name, _ in rows)
     lines = ["Memory per device (analytical):"]
-    lines += [f"{name:<{width}}  {human_bytes(value)}" for name, value in rows]
+    lines += [f"{name:<{name_width}}  {human_bytes(value)}" for name, value in rows]
     others = ", ".join(
         f"{name} {human_bytes(value)}" for name, value in estimate.saved_activations.items()
     )
-    lines.append(f"saved activations by remat policy: {others}")
-    lines.append(
+    lines.append(fill(f"saved activations by remat policy: {others}", width))
+    lines.append(fill(
         f"arguments {human_bytes(estimate.arguments)}, temporaries {human_bytes(estimate.temporaries)}, "
         f"total {human_bytes(estimate.total)}"
         + (
@@ -203,6 +209,7 @@ def format_memory_estimate(estimate: MemoryEstimate, compiled_arguments: int | N
             f"(ratio {(compiled_arguments + compiled_temporaries) / estimate.total:.3f})"
             if compiled_arguments is not None and compiled_temporaries is not None
             else ""
-        )
-    )
+        ),
+        width,
+    ))  # fmt: skip
     return "\n".join(lines)

@@ -311,7 +311,7 @@ def format_report(r: StepReport, width: int | None = None) -> str:
         out += ["", "Memory per device (the compiler's memory analysis):", format_memory(r.memory)]
     if r.estimate is not None:
         compiled = (r.memory.argument_bytes, r.memory.temp_bytes) if r.memory is not None else (None, None)
-        out += ["", format_memory_estimate(r.estimate, *compiled)]
+        out += ["", format_memory_estimate(r.estimate, *compiled, width=width)]
     if r.params:
         out += ["", "Parameters:", format_params(r.params, width)]
     return "\n".join(out)
