@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -191,17 +192,6 @@ def _padded(c: _Canon, bq: int, bk: int) -> _Canon:
     )  # fmt: skip
 
 
-def _blocks(x: Array, size: int) -> Array:
-    """[B, S, ...] -> [S/size, B, size, ...]."""
-    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // size, size, *x.shape[2:]), 1, 0)
-
-
-def _unblocks(x: Array) -> Array:
-    """[n, B, size, ...] -> [B, n*size, ...]."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
-
-
 def _rows(x: Array, start: Array, size: int) -> Array:
     """`x[:, start:start + size]` for a traced `start` (a view of one block, no copy of `x`)."""
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
@@ -210,6 +200,25 @@ def _rows(x: Array, start: Array, size: int) -> Array:
 def _set_rows(x: Array, block: Array, start: Array) -> Array:
     """`x` with `x[:, start:start + len(block)] = block` (in place in the compiled loop)."""
     return jax.lax.dynamic_update_slice_in_dim(x, block, start, axis=1)
+
+
+def _repeat(n: int, body: Callable[[Array, Any], Any], init: Any) -> Any:
+    """`body(i, carry)` for `i` in `0, ..., n - 1`, as a `while_loop`.
+
+    Not `fori_loop`, which becomes a `scan` for a static trip count: differentiating a
+    model whose layers are a `scan` partially evaluates the layer's body, and JAX hoists
+    out of that scan whatever depends only on values the same for every layer; inside
+    a nested `scan` that means stacking per-iteration copies of each block pair's mask
+    and fill values, `O(S^2)` memory for what the kernel computes block by block. A
+    `while_loop` is not split that way. The kernels never differentiate their loops
+    (they have custom VJPs), so they lose nothing.
+    """
+
+    def step(state: tuple[Array, Any]) -> tuple[Array, Any]:
+        i, carry = state
+        return i + 1, body(i, carry)
+
+    return jax.lax.while_loop(lambda state: state[0] < n, step, (jnp.int32(0), init))[1]
 
 
 def _flash_forward(
@@ -228,7 +237,6 @@ def _flash_forward(
     """
     b, sq, hkv, g, d = c.q.shape
     refs = (c.q, c.k, c.v)
-    kv_xs = tuple(_blocks(x, bk) for x in (c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid))
     if state is None:
         state = (
             _vary_like(jnp.zeros((b, sq, hkv, g, d), jnp.float32), *refs),
@@ -240,8 +248,9 @@ def _flash_forward(
         start = i * bq
         qi, qp, qs = _rows(c.q, start, bq), _rows(c.q_pos, start, bq), _rows(c.q_seg, start, bq)
 
-        def kv_step(carry, ys):
-            kj, vj, kp, ks, kval = ys
+        def kv_step(j, carry):
+            kstart = j * bk
+            kj, vj, kp, ks, kval = (_rows(x, kstart, bk) for x in (c.k, c.v, c.kv_pos, c.kv_seg, c.kv_valid))
             mask = _mask(qp, kp, qs, ks, kval, causal)  # bool[B, bq, bk]
 
             def compute(carry):
@@ -258,12 +267,12 @@ def _flash_forward(
                 pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
                 return m_new, l, acc * corr[..., None] + pv, n + 1
 
-            return jax.lax.cond(jnp.any(mask), compute, lambda carry: carry, carry), None
+            return jax.lax.cond(jnp.any(mask), compute, lambda carry: carry, carry)
 
         # The running state as (max, normaliser, unnormalised output): (lse, 1, out).
         lse0 = jnp.moveaxis(_rows(lse, start, bq), 1, 3)  # f32[B, Hkv, G, bq]
         init = (lse0, jnp.where(jnp.isfinite(lse0), 1.0, 0.0), jnp.moveaxis(_rows(out, start, bq), 1, 3), n)
-        (m, l, acc, n), _ = jax.lax.scan(kv_step, init, kv_xs)
+        m, l, acc, n = _repeat(c.k.shape[1] // bk, kv_step, init)
         ok = l > 0
         acc = acc / jnp.where(ok, l, 1.0)[..., None]
         m = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
@@ -271,7 +280,7 @@ def _flash_forward(
         return _set_rows(out, jnp.moveaxis(acc, 3, 1), start), _set_rows(lse, jnp.moveaxis(m, 3, 1), start), n
 
     n0 = _vary_like(jnp.zeros((), jnp.int32), *refs, *state)
-    return jax.lax.fori_loop(0, sq // bq, q_block, (*state, n0))
+    return _repeat(sq // bq, q_block, (*state, n0))
 
 
 def _flash_backward(
@@ -323,10 +332,10 @@ def _flash_backward(
             dqi, dkj, dvj = jax.lax.cond(jnp.any(mask), compute, lambda o: o, (_rows(dq, start, bq), dkj, dvj))
             return _set_rows(dq, dqi, start), dkj, dvj
 
-        dq, dkj, dvj = jax.lax.fori_loop(0, c.q.shape[1] // bq, q_block, (dq, _rows(dk, kstart, bk), _rows(dv, kstart, bk)))
+        dq, dkj, dvj = _repeat(c.q.shape[1] // bq, q_block, (dq, _rows(dk, kstart, bk), _rows(dv, kstart, bk)))
         return dq, _set_rows(dk, dkj, kstart), _set_rows(dv, dvj, kstart)
 
-    dq, dk, dv = jax.lax.fori_loop(0, c.k.shape[1] // bk, kv_block, grads)
+    dq, dk, dv = _repeat(c.k.shape[1] // bk, kv_block, grads)
     return dq, dk, dv
 
 
