@@ -604,7 +604,26 @@ def _fsdp(block, mesh):
 def test_explicit_schedule_composes(layout, schedule, block_cls, data_axis, wrap):
     """Tensor-parallel, data-parallel and FSDP layers inside the stages of each schedule."""
     pp = es.make_mesh(layout).shape["pp"]
-    _check_schedule(schedule, pp, 2 * pp, layout=layout, block_cls=block_cls, data_axis=data_axis, wrap=wrap)
+    _checked_schedule(schedule, pp, 2 * pp, layout=layout, block_cls=block_cls, data_axis=data_axis, wrap=wrap)
+
+
+_checked_schedule = functools.cache(_check_schedule)  # the compiled programs, shared
+
+
+def test_fsdp_beside_pipeline_gathers_once_per_step():
+    """Each stage's FSDP units are gathered once per step, before the schedule, and their
+    gradients reduce-scattered once, after it: at M = 4 as many all-gathers and
+    reduce-scatters as at M = 8 (each once, outside the schedule's loop: one per split
+    array of the stage, 8), and the values and gradients equal the sequential model's."""
+    found = []
+    for m in (4, 8):
+        compiled = _checked_schedule("1f1b", 4, m, layout="fsdp=2,pp=4", block_cls=Block, data_axis="fsdp", wrap=_fsdp)
+        ops = [op for op in read_collectives(compiled) if op.kind in ("all-gather", "reduce-scatter")]
+        assert {op.count for op in ops} == {1}, [str(op) for op in ops]
+        found.append(sorted((op.kind, op.operand_shapes) for op in ops))
+        for kind in ("all-gather", "reduce-scatter"):
+            assert sum(len(op.operand_shapes) for op in ops if op.kind == kind) == 8, (m, kind)
+    assert found[0] == found[1]
 
 
 def test_explicit_schedule_errors():

@@ -428,8 +428,19 @@ class GPT(eqx.Module):
         (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch.
         """
         par = self.parallelism
-        embed_arrays, embed_static = eqx.partition(self.embed, eqx.is_array)
-        tail = (self.norm, self.head, None if self.head is not None else self.embed.weight)
+        # Under fsdp the embedding, norm and head are gathered here, once per step (their
+        # gradients summed over the micro-batches, then reduce-scattered once), as the
+        # pipeline gathers its units.
+        # Cast to vary over the stages (each runs on one) and like the batch first: the
+        # sums of their gradients over both then run on the split blocks, after the
+        # reduce-scatters, one all-reduce for all three.
+        embed, norm, head = cast_varying(
+            (self.embed, self.norm, self.head), {self.units.model_axis_name, *varying_axes(ids)}
+        )
+        embed = self._gathered(embed, ids)
+        norm, head = self._gathered(norm, ids), self._gathered(head, ids)
+        embed_arrays, embed_static = eqx.partition(embed, eqx.is_array)
+        tail = (norm, head, None if head is not None else embed.weight)
         tail_arrays, tail_static = eqx.partition(tail, eqx.is_array)
 
         def first(arrays: Any, ids_m: Array) -> Array:

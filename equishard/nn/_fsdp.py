@@ -381,10 +381,50 @@ class FSDP(eqx.Module):
         operands = (self.module, args, kwargs)
         return _call_unit_once_per_batch(operands, self._call_unit)
 
+    def gathered(self) -> "_GatheredUnit":
+        """This unit with its split parameters all-gathered, to call many times.
+
+        For a caller that runs the unit on many inputs one after another and gathers
+        once for all of them (a pipeline schedule gathers each stage's units once per
+        step, see the pipeline guide): `fsdp_gather_params` with this unit's options.
+        The gathered parameters live until the last call; the gradients of all the
+        calls are summed before the gather's transpose reduce-scatters them, once. With
+        `regather` each call still recomputes its forward in the backward pass (keeping
+        its other collectives' outputs), so a call keeps only its inputs for the
+        backward, as the unit's own call does; nothing is gathered again.
+        """
+        if self.mean_grads and is_bound(self.axis_name):
+            check_local_loss_convention("FSDP(mean_grads=True) / shard_module_params", self.axis_name)
+        module = fsdp_gather_params(
+            self.module, self.axis_name, self.gather_dtype, self.grad_scatter_dtype,
+            mean_grads=self.mean_grads,
+        )  # fmt: skip
+        return _GatheredUnit(module, self.axis_name, self.regather)
+
     def _call_unit(self, operands: Any) -> Any:
         if self.regather:
             return _call_regathering(operands, self._config())
         return self._config().call(operands, operands[1:])
+
+
+class _GatheredUnit(eqx.Module):
+    """An `FSDP` unit's module with its parameters already gathered (`FSDP.gathered`).
+
+    Calls the module; with `recompute`, under a checkpoint that keeps only the outputs
+    of its collectives over axes other than `axis_name` (as `FSDP`'s regathering call).
+    """
+
+    module: PyTree
+    axis_name: str = eqx.field(static=True)
+    recompute: bool = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.recompute:
+            return self.module(*args, **kwargs)
+        call = eqx.filter_checkpoint(
+            lambda m, a, k: m(*a, **k), policy=save_collectives_except(self.axis_name)
+        )
+        return call(self.module, args, kwargs)
 
 
 def _call_unit_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:

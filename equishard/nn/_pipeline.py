@@ -24,6 +24,7 @@ from ..core import (
 from ..core._pipeline import check_stage_output
 from ..core._schedule import PipelineSchedule
 from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
+from ._fsdp import FSDP
 from ._init import check_positive
 
 
@@ -51,6 +52,14 @@ class PipelineModule(eqx.Module):
     backward themselves, micro-batch by micro-batch, so the loss is computed inside the
     pipeline: call `loss`, which takes the head (and optionally the embedding) as
     functions. `loss` works for every schedule, so the same code runs all five.
+
+    With an explicit schedule, `FSDP` units among the layers are gathered once per step
+    (`FSDP.gathered`), before the schedule runs, not by every micro-batch's call: each
+    micro-batch's forward and backward run on the gathered layers, their gradients are
+    summed over the micro-batches and reduce-scattered once, after the schedule. That
+    saves `2 M - 1` all-gathers and `M - 1` reduce-scatters of every split array per
+    step, and costs memory: this device's whole stage parameters (and their gradient
+    sum) live for the step. See the pipeline guide (docs/guides/pipeline.md).
 
     Called in the local view, inside `equishard.filter_shard_map` over a mesh with the
     stage axis (the stack's `P("pp", ...)` specs place each device's layers). The output
@@ -259,6 +268,16 @@ class PipelineModule(eqx.Module):
             )
             return from_last_stage(jnp.mean(losses), self.model_axis_name)
         dynamic, static = self._local_layers()
+        # The layers vary like the batch and over the stages before any gather, so that
+        # the gradients' sums over the data axes run on the split blocks, after the
+        # reduce-scatters.
+        batch_axes = (varying_axes(a) for a in jax.tree.leaves((inputs, targets)))
+        dynamic = cast_varying(dynamic, frozenset({self.model_axis_name}).union(*batch_axes))
+        # FSDP units are gathered here, once per step, not by each micro-batch's call:
+        # the stages then run on this device's whole (over fsdp) layers, the schedule
+        # sums their gradients over the micro-batches and the gathers' transposes
+        # reduce-scatter the sums once, after the schedule.
+        dynamic, static = eqx.partition(gather_fsdp_units(eqx.combine(dynamic, static)), eqx.is_array)
         per = self.layers_per_stage
         # f32[R L', ...] -> f32[R, L', ...]: local stage v is params[v].
         chunks = jax.tree.map(lambda a: a.reshape(self.repeats, per, *a.shape[1:]), dynamic)
@@ -336,3 +355,14 @@ class PipelineModule(eqx.Module):
             repeats=self.repeats,
             model_axis_name=self.model_axis_name,
         )
+
+
+def gather_fsdp_units(tree: PyTree) -> PyTree:
+    """`tree` with every `FSDP` unit replaced by its wrapped module, parameters gathered.
+
+    Each unit's split arrays are all-gathered once (`FSDP.gathered`), so the units'
+    calls that follow gather nothing; their gradients are reduce-scattered once, by
+    the gathers' transposes.
+    """
+    is_unit = lambda node: isinstance(node, FSDP)  # noqa: E731
+    return jax.tree.map(lambda node: node.gathered() if is_unit(node) else node, tree, is_leaf=is_unit)
