@@ -62,6 +62,22 @@ plus the terms the textbook formulas leave out. Each `Term` records its formula.
   — the same with two stages. The embedding is replicated over the stages, so the
   gradient of the pipeline's input is summed over them: `2(S−1)/S · A`. The loss is
   taken from the last stage with one all-reduce of a scalar.
+- *Explicit schedules* (`1f1b`, `interleaved-1f1b`, `zb-h1`; the figures are those of
+  the last stage's device, whose collectives the report reads): idle steps call no
+  stage, so a device's stage runs `R·M` times, `T = R·M`. The embedding runs on the
+  first stage, the head and loss on the last, micro-batch by micro-batch: the last
+  stage's device sends the head's and the cross-entropy's all-reduces but not the
+  embedding's, and no gradient of a pipeline input; instead the embedding's gradient,
+  like the norm's and the head's, is summed over the stages (`pp` joins its gradient
+  axes; a tied table is cast once for both uses, so it is summed once). The
+  activations cost `(K_f + K_b) · A/M`, `K_f`, `K_b` the steps of the table on which
+  some device sends forward, backward (every device of the stage axis takes part in
+  a collective-permute). ZB-H1's weight-gradient step differentiates the stage again
+  to reach every layer's weights, so the backward's tensor-parallel all-reduces (half
+  of a block's) run twice: the block term is `3/2` of 1F1B's. With FSDP the stage's
+  units and the embedding, norm and head are gathered once per step before the
+  schedule and reduce-scattered once after it: `2(n_fsdp − 1) · b` for every split
+  array, independent of `M`.
 - *Context parallel* (`cp` devices, `K` one f32 key or value block `[b, S/cp,
   h_kv, head_dim]` of a device, `P` its int32 positions `[b, S/cp]`): ring attention
   sends per layer `(cp−1) · 2K` forward (the key/value blocks round the ring; their
@@ -94,7 +110,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from .._text import human_bytes, text_table
-from ..core import expert_capacity
+from ..core import expert_capacity, pipeline_schedule, schedule_weights
 from ..models import GPT, GPTConfig
 from ..models._gpt import canonical_path
 from ..nn import RMSNorm
@@ -322,6 +338,7 @@ class _Setting:
     tokens: int  # tokens per device's shard (data and context) per step
     activation: float  # A: bytes of [tokens per data shard, d_model]
     explicit: bool = False  # an explicit pipeline schedule (1F1B, ...): idle steps run nothing
+    schedule: str | None = None  # the pipeline schedule's name
 
     def size(self, axes: Iterable[str]) -> int:
         return math.prod(self.sizes[a] for a in axes)
@@ -371,6 +388,7 @@ def _setting(config: GPTConfig, layout: Layout, batch_size: int, seq_len: int, n
         tokens=tokens,
         activation=float(tokens * config.d_model * F32),
         explicit=par.pipeline_schedule not in (None, "gpipe", "circular"),
+        schedule=par.pipeline_schedule,
     )
 
 
@@ -383,8 +401,8 @@ def _gradient_roles(model: GPT) -> dict[str, frozenset[str]]:
 
     `"norm"`: a parameter of an `RMSNorm` (under sequence parallelism its input is split
     over the sequence on `tp`); `"after_pipeline"`: of a field the GPT declares in
-    `GPT.after_pipeline`; `"tied_embedding"`: the embedding a tied GPT also uses as its
-    head.
+    `GPT.after_pipeline`; `"embedding"`: of the embedding; `"tied_embedding"`: the
+    embedding a tied GPT also uses as its head.
     """
     roles: dict[str, set[str]] = {}
 
@@ -401,6 +419,8 @@ def _gradient_roles(model: GPT) -> dict[str, frozenset[str]]:
         field = getattr(path[0], "name", None)
         if field in type(model).after_pipeline:
             roles.setdefault(path_str(path), set()).add("after_pipeline")
+        if field == "embed":
+            roles.setdefault(path_str(path), set()).add("embedding")
         if field == "embed" and model.config.tied:
             roles.setdefault(path_str(path), set()).add("tied_embedding")
     return {path: frozenset(r) for path, r in roles.items()}
@@ -413,7 +433,10 @@ def _gradient_axes(row: ParamRow, s: _Setting, roles: frozenset[str]) -> list[tu
     if s.sequence_parallel and "norm" in roles:
         axes.add("tp")
     groups = [axes]
-    if s.stages > 1 and "after_pipeline" in roles:
+    if s.stages > 1 and ("after_pipeline" in roles or (s.explicit and "embedding" in roles)):
+        # Replicated over the stages and run on one: summed over them. An explicit
+        # schedule casts the embedding, norm and head once, so a tied table is summed
+        # once for both its uses.
         axes.add("pp")
     elif s.stages > 1 and "tied_embedding" in roles:
         # The head's use is summed over the stages first; the lookup's is the same on
@@ -428,7 +451,22 @@ def _parameter_terms(
 ) -> list[Term]:
     terms: list[Term] = []
     fsdp = s.sizes.get("fsdp", 1)
-    if fsdp > 1:
+    if fsdp > 1 and s.explicit and s.stages > 1:
+        # Gathered once per step before the schedule, reduce-scattered once after it.
+        stored = sum(r.bytes_per_device for r in rows if "fsdp" in spec_axes(r.spec))
+        value = float(2 * (fsdp - 1) * stored)
+        terms.append(
+            Term(
+                "fsdp: gather (once per step) and reduce-scatter of split parameters",
+                "all-gather/reduce-scatter",
+                ("fsdp",),
+                fsdp,
+                f"2(n-1)/n · P = 2(n-1)/n · {human_bytes(fsdp * stored)}",
+                value,
+                value,
+            )
+        )
+    elif fsdp > 1:
         calls, ideal_calls = 1.0, 1.0
         if s.stages > 1:  # each stage call gathers the layers of one local stage
             calls, ideal_calls = s.steps / s.repeats, float(s.microbatches)
@@ -488,6 +526,13 @@ def _tensor_terms(s: _Setting) -> list[Term]:
         ideal_scale = 1.0 / s.stages
     else:
         scale = ideal_scale = 1.0
+    table = _table(s)
+    rerun = table is not None and table.split_backward
+    if rerun:
+        # ZB-H1's weight-gradient step differentiates the stage again to reach every
+        # layer's weights: the backward's input-gradient all-reduces (half the block's)
+        # run twice.
+        scale *= 1.5
     terms = [
         Term(
             "tp: block all-reduces (2 forward, 2 backward per block; attention only in MoE blocks)",
@@ -495,11 +540,18 @@ def _tensor_terms(s: _Setting) -> list[Term]:
             ("tp",),
             n,
             f"{total_blocks} x 2(n-1)/n · A, A = {human_bytes(a)}"
-            + (f", x T/(R M S) = {scale:g}" if s.stages > 1 else ""),
+            + (f", x T/(R M S) = {scale:g}" if s.stages > 1 and not rerun else "")
+            + (f", x 3/(2 S) = {scale:g} (W re-runs the backward's)" if rerun else ""),
             total_blocks * ar * a * scale,
             total_blocks * ar * a * ideal_scale,
         ),
-        Term("tp: vocabulary-parallel embedding", kind, ("tp",), n, "2(n-1)/n · A", ar * a, ar * a),
+        # An explicit schedule runs the embedding on the first stage only (not the last
+        # stage's device, whose collectives the report reads).
+        *(
+            []
+            if s.explicit and s.stages > 1
+            else [Term("tp: vocabulary-parallel embedding", kind, ("tp",), n, "2(n-1)/n · A", ar * a, ar * a)]
+        ),
         Term("tp: output head (gradient of its input)", kind, ("tp",), n, "2(n-1)/n · A", ar * a, ar * a),
         Term(
             "tp: vocabulary-parallel cross-entropy (max, sum of exp, target)",
@@ -589,6 +641,13 @@ def _expert_terms(s: _Setting) -> list[Term]:
     return terms
 
 
+def _table(s: _Setting) -> Any:
+    """The explicit schedule's table (`pipeline_schedule`), or `None`."""
+    if not (s.explicit and s.schedule is not None and s.stages > 1):
+        return None
+    return pipeline_schedule(s.schedule, s.stages, s.microbatches, repeats=s.repeats)
+
+
 def _pipeline_terms(s: _Setting) -> list[Term]:
     if s.stages == 1:
         return []
@@ -598,25 +657,32 @@ def _pipeline_terms(s: _Setting) -> list[Term]:
     sends = 2 * (s.steps - 1) * per_mb
     ideal = pipeline_minimum(a, s.microbatches, s.repeats)
     ar = 2 * _ring(s.stages)
+    formula = f"2(T - 1) · A/M, T = R M + S - 1 = {s.steps}, A/M = {human_bytes(per_mb)}"
+    table = _table(s)
+    if table is not None:
+        # A transfer runs on the steps where some device sends (every device of the
+        # stage axis takes part in the collective-permute): counted from the table.
+        weights = schedule_weights(table)
+        count = round((weights["pipeline_send_forward"] + weights["pipeline_send_backward"]) * table.num_steps)
+        sends = count * per_mb
+        formula = f"(K_f + K_b) · A/M, K_f + K_b = {count} steps that send, A/M = {human_bytes(per_mb)}"
+    terms = [
+        Term("pp: stage activations, forward and backward", "collective-permute", ("pp",), s.stages, formula, sends, ideal),
+    ]
+    if not s.explicit:  # an explicit schedule's embedding runs on the first stage alone
+        terms.append(
+            Term(
+                "pp: gradient of the pipeline input (embedding replicated over stages)",
+                "all-reduce",
+                ("pp",),
+                s.stages,
+                "2(n-1)/n · A",
+                ar * a,
+                ar * a,
+            )
+        )
     return [
-        Term(
-            "pp: stage activations, forward and backward",
-            "collective-permute",
-            ("pp",),
-            s.stages,
-            f"2(T - 1) · A/M, T = R M + S - 1 = {s.steps}, A/M = {human_bytes(per_mb)}",
-            sends,
-            ideal,
-        ),
-        Term(
-            "pp: gradient of the pipeline input (embedding replicated over stages)",
-            "all-reduce",
-            ("pp",),
-            s.stages,
-            "2(n-1)/n · A",
-            ar * a,
-            ar * a,
-        ),
+        *terms,
         # The loss (the cross-entropy metric is the same number: XLA sends it once).
         Term("pp: loss from the last stage", "all-reduce", ("pp",), s.stages, "2(n-1)/n · 4 B", ar * 4, ar * 4),
     ]
