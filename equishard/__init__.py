@@ -42,6 +42,7 @@ from .sharding import (
     specs_of as specs_of,
     sync_gradients as sync_gradients,
     unbox as unbox,
+    zero_split as zero_split,
 )
 
 __version__ = "0.1.0"

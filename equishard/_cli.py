@@ -142,6 +142,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=d.run_dir, help="where metrics.jsonl and loss.png go")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"), help="compute dtype (master weights stay float32)")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
+    p.add_argument("--zero", action="store_true", help="split the optimizer state over dp, parameters replicated (ZeRO-1: gradients reduce-scattered, parameters all-gathered)")
     p.add_argument("--cp-impl", default=d.cp_impl, choices=("ring", "alltoall"), help="attention over a cp axis (the sequence split in zigzag order): ring attention or all-to-all (Ulysses)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
     p.add_argument("--pipeline-repeats", type=int, default=d.pipeline_repeats, help="stages per device with pp (1: GPipe, more: circular)")

@@ -53,6 +53,7 @@ def _layout(args: argparse.Namespace) -> Any:
         pipeline_repeats=args.pipeline_repeats,
         pipeline_schedule=args.pipeline_schedule,
         cp_impl=args.cp_impl,
+        zero=args.zero,
     )
 
 
@@ -341,6 +342,7 @@ def _add_layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param-dtype", default="float32", choices=tuple(_DTYPES), help="dtype the parameters and optimizer moments are stored in")
     p.add_argument("--wide", action="store_true", help=f"print every table at full width (default: fit {WIDTH} columns)")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
+    p.add_argument("--zero", action="store_true", help="split the optimizer state over dp, parameters replicated (ZeRO-1)")
     p.add_argument("--cp-impl", default="ring", choices=("ring", "alltoall"), help="attention over a cp axis: ring attention or all-to-all (Ulysses)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
     p.add_argument("--pipeline-repeats", type=int, default=1, help="stages per device with pp (1: GPipe, more: circular)")

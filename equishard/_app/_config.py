@@ -33,7 +33,7 @@ _NEUTRAL = {
     "verify_checkpoints", "tensorboard", "max_skipped_steps", "remat", "remat_offload",
 }  # fmt: skip
 # Options that change how the same computation is laid out on the devices.
-_LAYOUT = ("layout", "sequence_parallel", "microbatches", "pipeline_repeats", "pipeline_schedule")
+_LAYOUT = ("layout", "sequence_parallel", "microbatches", "pipeline_repeats", "pipeline_schedule", "zero")
 
 
 def _field_types() -> dict[str, tuple[type, ...]]:

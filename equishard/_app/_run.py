@@ -94,6 +94,7 @@ class TrainConfig:
     run_dir: str = "runs/train"
     dtype: str = "float32"
     sequence_parallel: bool = False
+    zero: bool = False
     cp_impl: str = "ring"
     microbatches: int | None = None
     pipeline_repeats: int = 1
@@ -248,12 +249,14 @@ class Run:
             pipeline_repeats=config.pipeline_repeats,
             pipeline_schedule=config.pipeline_schedule,
             cp_impl=config.cp_impl,
+            zero=config.zero,
         )
         devices = list(jax.devices() if devices is None else devices)
         self.mesh: Mesh = self.layout.mesh(devices)
         _check(config, self.layout, len(devices))
         check_fits_machine(config.model, PRESETS[config.model], devices)
         self.parallelism = self.layout.parallelism(len(devices))
+        self.zero = self.layout.zero_axes(len(devices))
         self.model_config = dataclasses.replace(
             PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload
         )
@@ -275,6 +278,8 @@ class Run:
             batch_spec=self.batch_spec,
             grad_accum=config.grad_accum,
             clip_norm=config.clip_norm,
+            zero=self.zero,
+            zero_min_weight_size=self.parallelism.fsdp_min_weight_size,
         )
         self.eval_loss = eqx.filter_jit(
             filter_shard_map(
@@ -299,7 +304,9 @@ class Run:
     def init_state(self) -> TrainState:
         """The initial state, born sharded (mesh-invariant: the same on every layout)."""
         return init_train_state(
-            self.make_model, self.optimizer, jax.random.key(self.config.seed), mesh=self.mesh
+            self.make_model, self.optimizer, jax.random.key(self.config.seed), mesh=self.mesh,
+            zero=self.zero,
+            zero_min_weight_size=self.parallelism.fsdp_min_weight_size,
         )
 
     def state_template(self) -> TrainState:

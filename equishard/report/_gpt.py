@@ -185,7 +185,8 @@ def abstract_train_step(
     state = eqx.filter_eval_shape(
         lambda: init_train_state(
             lambda k: cast_floating(GPT(config, par, key=k), param_dtype), optimizer,
-            jax.random.key(0), mesh=mesh,
+            jax.random.key(0), mesh=mesh, zero=layout.zero_axes(len(devices)),
+            zero_min_weight_size=par.fsdp_min_weight_size,
         )
     )
     state = _abstract(state, mesh)
@@ -195,6 +196,8 @@ def abstract_train_step(
         mesh=mesh,
         batch_spec=layout.batch_spec(len(devices)),
         clip_norm=clip_norm,
+        zero=layout.zero_axes(len(devices)),
+        zero_min_weight_size=par.fsdp_min_weight_size,
     )
     dynamic, static = eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))
 

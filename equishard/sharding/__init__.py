@@ -39,3 +39,4 @@ from ._table import (
     format_param_table as format_param_table,
     param_table as param_table,
 )
+from ._zero import zero_split as zero_split

@@ -97,6 +97,21 @@ class Sharded(eqx.Module):
         return eqx.tree_at(lambda b: b.value, self, value)
 
 
+def with_spec(box: Sharded, spec: P) -> Sharded:
+    """The same box (class, value, global shape) under another spec.
+
+    The value is not checked against the new spec: a box optax rebuilt around an array
+    of another shape (adafactor's factored moments) keeps not fitting it, and `specs_of`
+    keeps reading it as replicated. Every box of a tree rewritten this way by the same
+    rule keeps the tree's structure the same as its parameters' (optax maps over both).
+    """
+    new = object.__new__(type(box))
+    object.__setattr__(new, "value", box.value)
+    object.__setattr__(new, "spec", P(*spec, *((None,) * (len(box.global_shape) - len(spec)))))
+    object.__setattr__(new, "global_shape", box.global_shape)
+    return new
+
+
 def _check_value_shape(value: Any, spec: P, global_shape: tuple[int, ...]) -> None:
     """A box's value is its global array outside `shard_map` and its block inside.
 

@@ -92,6 +92,10 @@ class Layout:
     - `fsdp_min_weight_size`: arrays smaller than this stay replicated under `fsdp`.
     - `cp_impl`: the attention over a `cp` axis: `"ring"` (ring attention) or
       `"alltoall"` (Ulysses; needs the heads per tensor shard divisible by cp).
+    - `zero`: optimizer-state sharding over `dp` (ZeRO-1): the parameters stay
+      replicated over `dp`, the optimizer state's arrays are split over it (arrays below
+      `fsdp_min_weight_size` stay replicated), the gradients are reduce-scattered and
+      the updated parameters all-gathered once per step. See the training guide.
     """
 
     spec: str
@@ -101,6 +105,7 @@ class Layout:
     pipeline_schedule: str | None = None
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
     cp_impl: str = "ring"
+    zero: bool = False
 
     def axes(self, num_devices: int | None = None) -> dict[str, int]:
         """The axes and their sizes, validated (see `parse_layout`)."""
@@ -119,6 +124,12 @@ class Layout:
             )
         if self.sequence_parallel and "tp" not in axes:
             raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a 'tp' axis.")
+        if self.zero and axes.get("dp", 1) < 2:
+            raise MeshError(
+                f"layout {self.spec!r}: zero (--zero) splits the optimizer state over the "
+                f"'dp' axis, which this layout lacks (or has of size 1); under 'fsdp' the "
+                f"optimizer state is already split like the parameters."
+            )
         if self.num_microbatches is not None and self.num_microbatches < 1:
             raise MeshError(
                 f"layout {self.spec!r}: num_microbatches (--microbatches) must be at least 1, "
@@ -158,6 +169,13 @@ class Layout:
             context="cp" if "cp" in axes else None,
             context_impl=self.cp_impl,
         )
+
+    def zero_axes(self, num_devices: int | None = None) -> str | None:
+        """The axis the optimizer state is split over under `zero` (`"dp"`), or `None`:
+        the `zero=` of `init_train_state` and `make_train_step` (the model does not
+        change with it)."""
+        self.axes(num_devices)  # validated
+        return "dp" if self.zero else None
 
     def batch_spec(self, num_devices: int | None = None) -> P:
         """The spec of a global batch `[B, ...]`: split over the data axes.

@@ -28,12 +28,14 @@ import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._axes import cast_varying, mesh_ordered, varying_axes, vma_checked
+from .._axes import cast_varying, combined_axis_size, mesh_ordered, varying_axes, vma_checked
 from .._errors import ConventionError, LayerConfigError
 from ..core._random import global_index
 from ..sharding import filter_shard_map, shard, sharded_init
-from ..sharding._box import is_sharded
+from ..sharding._box import is_sharded, with_spec
+from ..sharding._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 from ..sharding._specs import is_spec, spec_axes, specs_of
+from ..sharding._zero import ZeroAxes, zero_axes, zero_split
 
 LossFn = Callable[..., tuple[Array, dict[str, Array]]]
 
@@ -68,6 +70,8 @@ def init_train_state(
     key: PRNGKeyArray,
     *,
     mesh: Mesh,
+    zero: ZeroAxes | None = None,
+    zero_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
 ) -> TrainState:
     """Build a `TrainState` directly sharded on `mesh` (mesh-invariant).
 
@@ -77,18 +81,30 @@ def init_train_state(
     - `optimizer`: an optax optimizer; its state inherits the parameters' specs.
     - `key`: the run's key; the model is built from `fold_in(key, 0)`.
     - `mesh`: the mesh.
+    - `zero`: optimizer-state sharding (ZeRO-1): the mesh axis or axes (e.g. `"dp"`)
+      the optimizer state's arrays are split over, beyond their parameters' specs
+      (`equishard.sharding.zero_split`); the state then trains with
+      `make_train_step(..., zero=...)` of the same axes. `None`: the state mirrors the
+      parameters' specs. See the training guide.
+    - `zero_min_weight_size`: with `zero`, optimizer-state arrays of fewer elements stay
+      as their parameters are.
 
     **Returns:**
 
     The initial state, every array placed by its spec.
     """
 
+    zero_axes(zero, mesh, "init_train_state")  # checked before tracing
+
     def make(key: PRNGKeyArray) -> TrainState:
         model = make_model(jax.random.fold_in(key, 0))
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             model=model,
-            opt_state=optimizer.init(eqx.filter(model, eqx.is_array)),
+            opt_state=zero_split(
+                opt_state, zero, mesh=mesh, min_weight_size=zero_min_weight_size
+            ),
             key=key,
             data_position=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
@@ -264,6 +280,17 @@ def _gradient_specs(model: PyTree) -> PyTree:
     )
 
 
+def _with_specs_of(tree: PyTree, like: PyTree) -> PyTree:
+    """`tree`'s arrays in `like`'s boxes (the same structure but for the boxes' specs)."""
+    return jax.tree.map(
+        lambda new, old: old.with_value(new.value) if is_sharded(old) and is_sharded(new)
+        else new.value if is_sharded(new) else new,
+        tree,
+        like,
+        is_leaf=is_sharded,
+    )
+
+
 def _check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
     """Raise if the loss varies over the data axes: a local loss where the global one is due.
 
@@ -282,6 +309,51 @@ def _check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
         )
 
 
+def _zero_gradient(grad: Any, pending: Any, zero: PyTree, zaxes: tuple[str, ...]) -> Any:
+    """One local gradient, reduced over its pending data axes `axes`, as the box `zero` says.
+
+    Inside `shard_map`. `pending`: the data axes the gradient still has to be summed
+    over (in the gradient's box, or `None`: it is already summed). `zero`: the gradient's box under the ZeRO rule (its
+    spec maybe split over `zaxes` on one more dimension); a gradient the rule splits is
+    reduce-scattered over the ZeRO axes (the rest of `axes` all-reduced), or, if it is
+    already summed, sliced to this device's block.
+    """
+    value = grad.value if is_sharded(grad) else grad
+    axes: tuple[str, ...] | None = pending.value if is_sharded(pending) else pending
+    old = grad.spec if is_sharded(grad) else P(*((None,) * value.ndim))
+    new = zero.spec if is_sharded(zero) else old
+    dims = [d for d, (a, b) in enumerate(zip(old, new)) if a != b]
+    if not dims:  # kept as the parameter is: all-reduced over its pending axes
+        value = jax.lax.psum(value, axes) if axes else value
+    else:
+        dim, split = dims[0], tuple(a for a in zaxes if a in spec_axes(new) and a not in spec_axes(old))
+        if axes is not None and set(split) <= set(axes):
+            rest = tuple(a for a in axes if a not in split)
+            value = jax.lax.psum(value, rest) if rest else value
+            # f32[..., D, ...] -> f32[..., D/zero, ...]: reduce-scatter over the ZeRO axes.
+            value = jax.lax.psum_scatter(value, split, scatter_dimension=dim, tiled=True)
+        else:
+            value = jax.lax.psum(value, axes) if axes else value
+            block = value.shape[dim] // combined_axis_size(split)
+            start = jax.lax.axis_index(split) * block
+            value = jax.lax.dynamic_slice_in_dim(value, start, block, axis=dim)
+    if is_sharded(zero):
+        return with_spec(zero.with_value(value), zero.spec)
+    return value
+
+
+def _check_zero_state(opt_state: PyTree, zaxes: tuple[str, ...], mesh: Mesh, min_size: int) -> None:
+    """Raise unless the optimizer state was built for ZeRO over `zaxes` (or without it)."""
+    split = zero_split(opt_state, zaxes or None, mesh=mesh, min_weight_size=min_size)
+    if jax.tree.structure(split) != jax.tree.structure(opt_state):
+        raise LayerConfigError(
+            f"make_train_step(zero={zaxes or None!r}): the optimizer state is not split over "
+            f"{zaxes!r} as the step updates it; build the state with "
+            f"init_train_state(..., zero={zaxes!r}) (the same zero_min_weight_size), or "
+            f"restore a checkpoint into such a state (see the training guide)."
+        )
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -292,6 +364,8 @@ def make_train_step(
     clip_norm: float | None = None,
     donate: bool = True,
     view: str = "local",
+    zero: ZeroAxes | None = None,
+    zero_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Array]]]:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
 
@@ -336,6 +410,16 @@ def make_train_step(
       the global batch and returns its mean (a `pmean` over no axes, `()`, is a no-op);
       `index` is `0, ..., B - 1`. The mesh's axes must be `Auto` (what `make_mesh`
       builds). See the "Your own model" guide for what each view costs.
+    - `zero`: optimizer-state sharding (ZeRO-1) over these data axes (e.g. `"dp"`), for
+      a state built by `init_train_state(..., zero=...)` with the same axes: the
+      parameters stay replicated over them, each gradient that the ZeRO rule splits
+      (`equishard.sharding.zero_split`) is reduce-scattered over them once per step
+      (after the last micro-step) instead of all-reduced, the update runs on the
+      optimizer state's shards, and the updated parameters are all-gathered once: the
+      same bytes as the all-reduce, and 1/n of the optimizer state per device. See the
+      training guide.
+    - `zero_min_weight_size`: with `zero`, the arrays of fewer elements that stay
+      replicated (as in `init_train_state`).
 
     **Returns:**
 
@@ -344,7 +428,8 @@ def make_train_step(
     application stopping after N consecutive skips counts these) and `loss_fn`'s
     metrics, all global values. `train_step.lower(state, batch)` lowers it without
     running; `train_step.compile(state, batch)` compiles it ahead of time and returns the
-    compiled step (same signature), so compilation can be timed apart from the steps.
+    compiled step (same signature), so compilation can be timed apart from the steps;
+    its `.compiled` is JAX's compiled program (`memory_analysis()`, `as_text()`).
     """
     if grad_accum < 1:
         raise LayerConfigError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}.")
@@ -358,6 +443,11 @@ def make_train_step(
             f"jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)."
         )
     data_axes = _spec_tree_axes(batch_spec)
+    zaxes = zero_axes(zero, mesh, "make_train_step")
+
+    def zero_view(tree: PyTree) -> PyTree:
+        return zero_split(tree, zaxes or None, mesh=mesh, min_weight_size=zero_min_weight_size)
+
     with_index = _takes_index(loss_fn)
     batch_axis = _batch_axis(batch_spec) if with_index else None
     all_finite = _all_finite(mesh)
@@ -374,7 +464,7 @@ def make_train_step(
         local_batch = jax.tree.leaves(batch)[0].shape[0]
         # int32[B/data]: where this device's examples sit in the global batch.
         index = global_index(local_batch, batch_axis) if with_index else None
-        if grad_accum == 1:
+        if grad_accum == 1 and not zaxes:
             (loss, metrics), grads = value_and_grad(model, batch, key, index)
             return loss, metrics, global_norm(grads), grads
         # [B_local, ...] -> [k, B_local/k, ...]; the first micro-step outside the
@@ -397,21 +487,36 @@ def make_train_step(
             first = one(0, head)
             if not _invariant_over((first[0], first[1]), data_axes):
                 return None
+            if grad_accum == 1:
+                return first
             return jax.lax.scan(accumulate, first, rest)[0]
 
         # Each micro-step would all-reduce the gradients of the parameters that are
         # replicated over the data axes. Differentiating a copy cast to vary over
         # them instead leaves each device's gradient unreduced; they are summed once,
-        # after the last micro-step (k times fewer bytes). That is exact whenever the
-        # loss is one global value (invariant over the data axes): the gradient of
-        # a function of n equal copies is the sum of the partial gradients.
+        # after the last micro-step (k times fewer bytes), or under ZeRO
+        # reduce-scattered once. That is exact whenever the loss is one global value
+        # (invariant over the data axes): the gradient of a function of n equal copies
+        # is the sum of the partial gradients.
         varying, pending = _vary_over(model, data_axes)
         result = accumulated(varying)
         if result is None:  # the loss varies with the copies: reduce every micro-step
             result = accumulated(model)
             pending = None
         loss, metrics, grads = result
-        if pending is not None:
+        if zaxes:
+            # Each box as the ZeRO rule splits it (rules read specs and global shapes).
+            zgrads = zero_view(grads)
+            if pending is None:
+                pending = jax.tree.map(lambda g: None, grads)
+            grads = jax.tree.map(
+                lambda g, axes, z: g if g is None else _zero_gradient(g, axes, z, zaxes),
+                grads,
+                pending,
+                zgrads,
+                is_leaf=lambda g: g is None or is_sharded(g) or eqx.is_array(g),
+            )
+        elif pending is not None:
             grads = jax.tree.map(
                 lambda g, axes: g if g is None or not axes else jax.lax.psum(g, axes),
                 grads,
@@ -465,24 +570,31 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Array]]:
         key = jax.random.fold_in(state.key, state.step)
+        if zaxes:
+            _check_zero_state(state.opt_state, zaxes, mesh, zero_min_weight_size)
         if view == "global":
             loss, metrics, grad_norm, grads = global_gradients(state.model, batch, key)
+            # Under ZeRO, laid out as the optimizer state is: XLA reduce-scatters.
+            grads = shard(zero_view(grads), mesh)
         else:
-            # The out_specs are known before tracing (the parameters' specs): the body
-            # is traced once.
+            # The out_specs are known before tracing (the parameters' specs, or under
+            # ZeRO the optimizer state's): the body is traced once.
             gradients = filter_shard_map(
                 checked_gradients,
                 mesh=mesh,
                 in_specs=(None, batch_spec, P()),
-                out_specs=(P(), P(), P(), _gradient_specs(state.model)),
+                out_specs=(P(), P(), P(), _gradient_specs(zero_view(state.model))),
             )
             loss, metrics, grad_norm, grads = gradients(state.model, batch, key)
 
-        # Global view from here: `grads` are global arrays in their parameters' boxes.
+        # Global view from here: `grads` are global arrays in their parameters' boxes
+        # (under ZeRO, in the optimizer state's boxes: the parameters are viewed, and
+        # laid out for the update, the same way, a local slice of a replicated array).
         if clip_norm is not None:
             scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        params = eqx.filter(state.model, eqx.is_array)
+        old_model = shard(zero_view(state.model), mesh) if zaxes else state.model
+        params = eqx.filter(old_model, eqx.is_array)
         # The guard reads every update before any is applied; computed once for it and
         # once more to apply (the second behind a barrier, so XLA neither merges the
         # two nor keeps the first), no update outlives its fusion: the step holds the
@@ -491,11 +603,14 @@ def make_train_step(
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
         grads, opt_in, params, ok = jax.lax.optimization_barrier((grads, state.opt_state, params, ok))
         updates, opt_state = optimizer.update(grads, opt_in, params)
-        model = eqx.apply_updates(state.model, updates)
+        model = _where(ok, eqx.apply_updates(old_model, updates), old_model)
+        if zaxes:
+            # The updated shards, then (by `shard` below) all-gathered once.
+            model = _with_specs_of(shard(model, mesh), state.model)
         global_batch = jax.tree.leaves(batch)[0].shape[0]
         new_state = TrainState(
             step=state.step + 1,
-            model=_where(ok, model, state.model),
+            model=model,
             opt_state=_where(ok, opt_state, state.opt_state),
             key=state.key,
             data_position=state.data_position + global_batch,
@@ -548,6 +663,7 @@ def make_train_step(
                 new_arrays, metrics = compiled(arrays, batch)
             return eqx.combine(new_arrays, static.tree()), metrics
 
+        compiled_step.compiled = compiled  # type: ignore[attr-defined]
         return compiled_step
 
     step.lower = lower  # type: ignore[attr-defined]
