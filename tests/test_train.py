@@ -99,7 +99,7 @@ def test_grouped_query_attention_trains_to_the_same_losses(spec):
         assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
 
 
-@pytest.mark.parametrize("spec, schedule", [("pp=4,dp=2", "1f1b")])
+@pytest.mark.parametrize("spec, schedule", [("pp=4,dp=2", "1f1b"), ("pp=2,fsdp=2,tp=2", "1f1b")])
 def test_pipeline_schedules_train_to_the_same_losses(spec, schedule):
     """The embedding on the first stage, the head and loss on the last, per micro-batch."""
     reference = _losses("dp=1", DENSE)
