@@ -168,37 +168,43 @@ def gather_params(
 
 
 @jax.custom_batching.custom_vmap
-def _tie_batched(x: Any, anchor: Any) -> Any:
-    return x + (anchor * 0).astype(x.dtype)
+def _tie_batched(xs: list[Any], anchor: Any) -> list[Any]:
+    zero = anchor * 0
+    return [x + zero.astype(x.dtype) for x in xs]
 
 
 @_tie_batched.def_vmap
-def _tie_batched_vmap(axis_size: int, in_batched: Any, x: Any, anchor: Any) -> Any:
+def _tie_batched_vmap(axis_size: int, in_batched: Any, xs: list[Any], anchor: Any) -> Any:
     del axis_size
-    x_batched, anchor_batched = in_batched
+    xs_batched, anchor_batched = in_batched
     # One example's anchor is dependency enough: the parameters stay unbatched, so a
     # `vmap` over the examples outside the unit gathers them once, not once per example.
-    return _tie_batched(x, anchor[0] if anchor_batched else anchor), x_batched
+    return _tie_batched(xs, anchor[0] if anchor_batched else anchor), xs_batched
 
 
 @jax.custom_vjp
-def _tie(x: Any, anchor: Any) -> Any:
-    """`x + 0 * anchor`: `x`, made to wait for `anchor` (gradient: identity, none)."""
-    return _tie_batched(x, anchor)
+def _tie(xs: list[Any], anchor: Any) -> list[Any]:
+    """`[x + 0 * anchor for x in xs]`: the arrays, made to wait for `anchor` (gradient:
+    identity, none). One call for a whole unit's arrays: one custom rule to trace."""
+    return _tie_batched(xs, anchor)
 
 
-def _tie_fwd(x: Any, anchor: Any) -> Any:
+def _tie_fwd(xs: list[Any], anchor: Any) -> Any:
     # `x[:0]`: an empty array that varies as `x` does, for the backward pass.
-    return _tie_batched(x, anchor), (x.ravel()[:0], jnp.zeros_like(anchor))
+    return _tie_batched(xs, anchor), ([x.ravel()[:0] for x in xs], jnp.zeros_like(anchor))
 
 
-def _tie_bwd(residuals: Any, g: Any) -> Any:
-    like_x, zero = residuals
-    # The output varied also over the anchor's axes; `x`'s gradient is summed over
-    # them, as the transpose of the implicit cast in `x + 0 * anchor` would.
-    varying = tuple(varying_axes(g))
-    extra = tuple(a for a in (mesh_ordered(varying) if varying else ()) if a not in varying_axes(like_x))
-    return (jax.lax.psum(g, extra) if extra else g), zero
+def _tie_bwd(residuals: Any, gs: list[Any]) -> Any:
+    like_xs, zero = residuals
+
+    def grad(g: Any, like_x: Any) -> Any:
+        # The output varied also over the anchor's axes; `x`'s gradient is summed over
+        # them, as the transpose of the implicit cast in `x + 0 * anchor` would.
+        varying = tuple(varying_axes(g))
+        extra = tuple(a for a in (mesh_ordered(varying) if varying else ()) if a not in varying_axes(like_x))
+        return jax.lax.psum(g, extra) if extra else g
+
+    return [grad(g, like_x) for g, like_x in zip(gs, like_xs)], zero
 
 
 _tie.defvjp(_tie_fwd, _tie_bwd)
@@ -220,14 +226,18 @@ def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTre
         return tree
     anchor = jax.lax.stop_gradient(leaves[0].ravel()[0])
 
-    def tie(leaf: Any) -> Any:
+    def tied(leaf: Any) -> bool:
         value = leaf.value if is_sharded(leaf) else leaf
-        if not eqx.is_inexact_array(value) or not (unboxed or is_sharded(leaf)):
-            return leaf
-        tied = _tie(value, anchor)
-        return leaf.with_value(tied) if is_sharded(leaf) else tied
+        return eqx.is_inexact_array(value) and (unboxed or is_sharded(leaf))
 
-    return jax.tree.map(tie, tree, is_leaf=is_sharded)
+    flat, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+    chosen = [i for i, leaf in enumerate(flat) if tied(leaf)]
+    if not chosen:
+        return tree
+    values = _tie([flat[i].value if is_sharded(flat[i]) else flat[i] for i in chosen], anchor)
+    for i, value in zip(chosen, values):
+        flat[i] = flat[i].with_value(value) if is_sharded(flat[i]) else value
+    return jax.tree.unflatten(treedef, flat)
 
 
 class _GatherConfig(eqx.Module):
