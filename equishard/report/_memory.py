@@ -20,7 +20,9 @@ sequence parallelism, floats of 4 bytes unless the model's dtype says otherwise)
   its set under `full` too, recomputed.
 - **working set** of the backward pass: the `L` layer inputs, one layer's full set `w`
   (norm inputs and outputs, QKV, rotary queries and keys, attention scores and
-  probabilities `[t, T, H/n]` each, context, projections, MLP activations) and the
+  probabilities `[t, T, H/n]` each — from `BLOCKWISE_THRESHOLD` keys on, and always
+  with ring attention, one `DEFAULT_BLOCK_SIZE` square block of them per sequence,
+  as the blockwise kernel holds —, context, projections, MLP activations) and the
   logits with their softmax and gradient (`3 [t, V/n]`).
 - **the update**: the gradients, and the new optimizer state built beside the old one.
 
@@ -39,6 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from .._text import fill, human_bytes
+from ..core import BLOCKWISE_THRESHOLD, DEFAULT_BLOCK_SIZE
 from ..models import GPTConfig
 from ..nn._remat import REMAT_POLICIES
 from ..sharding import Layout, ParamRow
@@ -89,8 +92,26 @@ class MemoryEstimate:
         return self.arguments + self.temporaries
 
 
-def _per_layer(config: GPTConfig, t: float, tp: int, sp: bool, seq_len: int, itemsize: int) -> dict[str, float]:
-    """Bytes of one layer's activations, per device."""
+def _scores(config: GPTConfig, t: float, tp: int, seq_len: int, cp: int, context_impl: str) -> float:
+    """Elements of one layer's attention scores `[t, keys, H/n]` that exist at once.
+
+    The whole matrix below `BLOCKWISE_THRESHOLD` keys, where `equishard.core.attention`
+    runs the dense kernel (no context axis, or all-to-all, which attends over the whole
+    sequence for `H/(n cp)` heads: the same count); one query block by one key block of
+    `DEFAULT_BLOCK_SIZE` for each of the device's sequences otherwise, and always for
+    ring attention, whose kernel is blockwise.
+    """
+    heads = config.n_heads / tp
+    ring = cp > 1 and context_impl == "ring"
+    if not ring and seq_len < BLOCKWISE_THRESHOLD:
+        return t * seq_len * heads
+    local = seq_len // cp if ring else seq_len
+    block = min(DEFAULT_BLOCK_SIZE, local)
+    return t / local * heads * block * block
+
+
+def _per_layer(config: GPTConfig, t: float, tp: int, sp: bool, scores: float, itemsize: int) -> dict[str, float]:
+    """Bytes of one layer's activations, per device (`scores`: see `_scores`)."""
     d, f = config.d_model, config.d_ff
     hd = d // config.n_heads
     kv_heads = config.n_kv_heads or config.n_heads
@@ -100,7 +121,6 @@ def _per_layer(config: GPTConfig, t: float, tp: int, sp: bool, seq_len: int, ite
     qkv = t * (d / tp + 2 * kv_local * hd)
     context = t * d / tp
     mlp_in = t * 2 * f / tp
-    scores = t * seq_len * config.n_heads / tp
     rotary = t * (d / tp + kv_local * hd)
     everything = (
         4 * x + 2 * g + qkv + rotary + 2 * scores + context + x + mlp_in + t * 2 * f / tp + x
@@ -151,7 +171,8 @@ def gpt_memory(
     s = _setting(config, layout, batch_size, seq_len, num_devices)
     itemsize = params[0].total_bytes // max(math.prod(params[0].shape), 1) if params else 4
     t = s.tokens / s.microbatches
-    layer = _per_layer(config, t, s.tp, s.sequence_parallel, seq_len, itemsize)
+    scores = _scores(config, t, s.tp, seq_len, s.cp, s.context_impl)
+    layer = _per_layer(config, t, s.tp, s.sequence_parallel, scores, itemsize)
     layers = config.n_layers // max(s.stages, 1)
     fsdp = s.sizes.get("fsdp", 1) > 1
     parameters = sum(r.bytes_per_device for r in params)
