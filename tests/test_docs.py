@@ -269,6 +269,11 @@ def test_training_resumes_on_another_layout():
     assert "resumed losses equal the uninterrupted run: True" in out
     assert "restored at step 3 on {'dp': 2, 'tp': 4}" in out
     assert "logits (2, 32, 256)" in out
+    zero = floats(lines_after(out, "dp=8 --zero, steps 1-3:")[0])
+    for a, b in zip(zero, full[:3], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    assert "ZeRO losses equal the fsdp=8 run: True" in out
+    assert "first moment P('dp', None) block (32, 64)" in out
 
 
 def test_multihost_equals_one_process():

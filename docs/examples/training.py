@@ -16,7 +16,7 @@ import tempfile
 import equinox as eqx
 import optax
 
-from equishard import Layout
+from equishard import Layout, param_table
 from equishard._app import get_batch, load_stdlib_corpus  # the `equishard train` demo's corpus
 from equishard.models import GPT, PRESETS, count_parameters
 from equishard.train import (
@@ -42,9 +42,9 @@ config = PRESETS["tiny"]  # a 2-layer GPT: d_model 64, 4 heads, byte vocabulary
 optimizer = optax.adamw(3e-3)
 
 
-def setup(spec):
+def setup(spec, zero=False):
     """Mesh, initial state and train step of the GPT under a layout."""
-    layout = Layout(spec)
+    layout = Layout(spec, zero=zero)  # zero: optimizer state split over dp (below)
     mesh = layout.mesh()
     parallelism = layout.parallelism()  # which axes the model uses, and how
 
@@ -52,13 +52,16 @@ def setup(spec):
         return GPT(config, parallelism, key=key)
 
     def init():  # born sharded; the same parameters on every layout
-        return init_train_state(make_model, optimizer, jax.random.key(0), mesh=mesh)
+        return init_train_state(
+            make_model, optimizer, jax.random.key(0), mesh=mesh, zero=layout.zero_axes()
+        )
 
     def loss_fn(model, batch, key):  # local view; returns the *global* loss
         return model.loss(batch, key)
 
     step = make_train_step(
-        loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), clip_norm=1.0
+        loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), clip_norm=1.0,
+        zero=layout.zero_axes(),  # None, or "dp" with Layout(..., zero=True)
     )
     return mesh, init, step
 
@@ -97,6 +100,24 @@ print("dp=2,tp=4, steps 4-6:     ", " ".join(f"{v:.5f}" for v in resumed_losses)
 same = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(resumed_losses, losses[3:]))
 print("resumed losses equal the uninterrupted run:", same)
 # --8<-- [end:resume]
+
+# --8<-- [start:zero]
+mesh3, init3, step3 = setup("dp=8", zero=True)  # `equishard train --layout dp=8 --zero`
+zstate = init3()
+mu = zstate.opt_state[0].mu.embed.weight  # AdamW's first moment of the embedding
+print("parameters", zstate.model.embed.weight.spec, "first moment", mu.spec,
+      "block", mu.value.sharding.shard_shape(mu.value.shape))  # fmt: skip
+rows = param_table(zstate.opt_state, mesh3)
+held, whole = sum(r.bytes_per_device for r in rows), sum(r.total_bytes for r in rows)
+print(f"optimizer state per device: {held:,} of {whole:,} bytes ({held / whole:.4f})")
+zero_losses = []
+for batch in batches[:3]:
+    zstate, metrics = step3(zstate, batch)
+    zero_losses.append(float(metrics["loss"]))
+print("dp=8 --zero, steps 1-3:   ", " ".join(f"{v:.5f}" for v in zero_losses))
+same = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(zero_losses, losses[:3]))
+print("ZeRO losses equal the fsdp=8 run:", same)
+# --8<-- [end:zero]
 
 # --8<-- [start:export]
 path = export_model(resumed.model, workdir / "gpt.eqx")  # gathered, unboxed, one file

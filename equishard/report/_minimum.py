@@ -116,6 +116,7 @@ from ..models._gpt import canonical_path
 from ..nn import RMSNorm
 from ..sharding import Layout, ParamRow, is_sharded, param_table, path_str
 from ..sharding._specs import spec_axes
+from ..sharding._zero import zero_spec
 
 __all__ = [
     "Minimum",
@@ -339,6 +340,8 @@ class _Setting:
     activation: float  # A: bytes of [tokens per data shard, d_model]
     explicit: bool = False  # an explicit pipeline schedule (1F1B, ...): idle steps run nothing
     schedule: str | None = None  # the pipeline schedule's name
+    zero: int = 1  # the dp size the optimizer state is split over (ZeRO-1), 1 without
+    min_weight_size: int = 0  # arrays of fewer elements stay replicated under ZeRO
 
     def size(self, axes: Iterable[str]) -> int:
         return math.prod(self.sizes[a] for a in axes)
@@ -389,6 +392,8 @@ def _setting(config: GPTConfig, layout: Layout, batch_size: int, seq_len: int, n
         activation=float(tokens * config.d_model * F32),
         explicit=par.pipeline_schedule not in (None, "gpipe", "circular"),
         schedule=par.pipeline_schedule,
+        zero=sizes["dp"] if layout.zero else 1,
+        min_weight_size=par.fsdp_min_weight_size,
     )
 
 
@@ -446,6 +451,11 @@ def _gradient_axes(row: ParamRow, s: _Setting, roles: frozenset[str]) -> list[tu
     return [g for g in out if g]
 
 
+def _zero_splits(row: ParamRow, s: _Setting) -> bool:
+    """Whether ZeRO splits this parameter's optimizer state (and gradient) over dp."""
+    return s.zero > 1 and zero_spec(row.spec, row.shape, ("dp",), s.zero, s.min_weight_size) != row.spec
+
+
 def _parameter_terms(
     rows: Sequence[ParamRow], s: _Setting, roles: Mapping[str, frozenset[str]]
 ) -> list[Term]:
@@ -491,17 +501,21 @@ def _parameter_terms(
                 per_pass(ideal_calls),
             )
         )
-    groups: dict[tuple[str, ...], float] = {}
+    groups: dict[tuple[tuple[str, ...], bool], float] = {}
     for r in rows:
         for axes in _gradient_axes(r, s, roles.get(r.path, frozenset())):
-            groups[axes] = groups.get(axes, 0.0) + r.bytes_per_device
-    for axes, stored in groups.items():
+            # ZeRO: reduce-scattered over dp (then summed over the rest), the updated
+            # parameter all-gathered: the same ring bytes as the all-reduce.
+            zero = "dp" in axes and _zero_splits(r, s)
+            groups[axes, zero] = groups.get((axes, zero), 0.0) + r.bytes_per_device
+    for (axes, zero), stored in groups.items():
         n = s.size(axes)
         value = 2 * _ring(n) * stored
         terms.append(
             Term(
-                f"gradient all-reduce over {','.join(axes)}",
-                "all-reduce",
+                f"gradient reduce-scatter + parameter all-gather over {','.join(axes)} (zero)"
+                if zero else f"gradient all-reduce over {','.join(axes)}",
+                "reduce-scatter/all-gather" if zero else "all-reduce",
                 axes,
                 n,
                 f"2(n-1)/n · {human_bytes(stored)}",

@@ -328,10 +328,11 @@ def _zero_gradient(grad: Any, pending: Any, zero: PyTree, zaxes: tuple[str, ...]
     else:
         dim, split = dims[0], tuple(a for a in zaxes if a in spec_axes(new) and a not in spec_axes(old))
         if axes is not None and set(split) <= set(axes):
+            # f32[..., D, ...] -> f32[..., D/zero, ...]: reduce-scatter over the ZeRO axes,
+            # then the shard summed over the other pending axes (on 1/zero of the bytes).
+            value = jax.lax.psum_scatter(value, split, scatter_dimension=dim, tiled=True)
             rest = tuple(a for a in axes if a not in split)
             value = jax.lax.psum(value, rest) if rest else value
-            # f32[..., D, ...] -> f32[..., D/zero, ...]: reduce-scatter over the ZeRO axes.
-            value = jax.lax.psum_scatter(value, split, scatter_dimension=dim, tiled=True)
         else:
             value = jax.lax.psum(value, axes) if axes else value
             block = value.shape[dim] // combined_axis_size(split)
