@@ -5,6 +5,7 @@ restore across ZeRO and non-ZeRO layouts."""
 from __future__ import annotations
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -204,3 +205,14 @@ def test_zero_errors():
     _, _, _, zero_step = setup("dp=8", True)
     with pytest.raises(LayerConfigError, match="init_train_state"):
         zero_step.lower(plain_state, _data(0))
+
+
+def test_inspect_zero(capsys):
+    from equishard._cli import main
+
+    argv = ["inspect", "--model", "tiny", "--seq-len", "32", "--layout", "dp=8", "--zero", "--wide"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # The report's minimum knows ZeRO: the same ring bytes, named as what runs.
+    assert "gradient reduce-scatter + parameter all-gather over dp (zero)" in out
+    assert re.search(r"measured .* = 1\.000", out)
