@@ -9,6 +9,7 @@ import re
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -216,3 +217,38 @@ def test_inspect_zero(capsys):
     # The report's minimum knows ZeRO: the same ring bytes, named as what runs.
     assert "gradient reduce-scatter + parameter all-gather over dp (zero)" in out
     assert re.search(r"measured .* = 1\.000", out)
+
+
+def test_zero_plain_equinox_model_in_both_views():
+    """An unmodified `eqx.nn.MLP` (plain arrays, no boxes): its large moments are boxed
+    and split, its parameters stay plain; the local and the global view with micro-steps."""
+    mesh = es.make_mesh("dp=8")
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    y = jax.random.normal(jax.random.key(2), (16, 8))
+
+    def local_loss(model, batch, key):
+        inputs, targets = batch
+        return jax.lax.pmean(jnp.mean((jax.vmap(model)(inputs) - targets) ** 2), "dp"), {}
+
+    def global_loss(model, batch, key):
+        inputs, targets = batch
+        return jnp.mean((jax.vmap(model)(inputs) - targets) ** 2), {}
+
+    def run(zero, view):
+        state = init_train_state(
+            lambda k: eqx.nn.MLP(64, 8, 128, 2, key=k), ADAMW, jax.random.key(0), mesh=mesh, zero=zero
+        )
+        loss = local_loss if view == "local" else global_loss
+        step = make_train_step(loss, ADAMW, mesh=mesh, batch_spec=P("dp"), zero=zero, view=view, grad_accum=2)
+        out = []
+        for _ in range(3):
+            state, metrics = step(state, (x, y))
+            out.append(float(metrics["loss"]))
+        return np.array(out), state
+
+    plain, _ = run(None, "local")
+    for view in ("local", "global"):
+        zero, state = run("dp", view)
+        _close(zero, plain)
+        assert isinstance(state.model.layers[1].weight, jax.Array)  # still a plain array
+        assert state.opt_state[0].mu.layers[1].weight.spec == P("dp", None)
