@@ -34,7 +34,7 @@ class MLP(eqx.Module):
     w1: es.Sharded  # f32[D, F], split over its columns on "tp"
     w2: es.Sharded  # f32[F, D], split over its rows on "tp"
     b2: jax.Array  # f32[D], a plain array: replicated
-    act: Callable = eqx.field(static=True)  # not an array: passes through untouched
+    act: Callable  # not an array: the filter_* functions pass it through untouched
 
     def __init__(self, d, f, *, key):
         k1, k2 = jax.random.split(key)
