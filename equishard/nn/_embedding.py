@@ -20,6 +20,7 @@ from ._init import (
     check_divisible,
     check_init_type,
     check_positive,
+    check_token_dim,
     init_weight,
     value_of,
 )
@@ -158,6 +159,8 @@ class ParallelEmbedding(eqx.Module):
         """
         bound = is_bound(self.axis_name)
         n = axis_size(self.axis_name)
+        if bound and self.sequence_parallel:
+            check_token_dim("ParallelEmbedding", ids.shape, self.axis_name, feature_dim=False)
         table = value_of(self.weight)
         if self.partition == "embedding":
             check_divisible("ParallelEmbedding", "embedding_dim", self.embedding_dim, self.axis_name, n)

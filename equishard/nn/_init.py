@@ -332,6 +332,23 @@ def check_divisible(layer: str, name: str, value: int, axis_name: str, size: int
         )
 
 
+def check_token_dim(layer: str, shape: tuple[int, ...], axis_name: str, *, feature_dim: bool = True) -> None:
+    """Raise a `LayerConfigError` unless a sequence-parallel input of `shape` has a token
+    dimension (-2 with `feature_dim`, else -1) to split over `axis_name`.
+
+    A model that calls the layer under `jax.vmap` over its tokens (one token at a time,
+    as `eqx.nn.Linear` is called) hides that dimension: a layer cannot gather or
+    scatter tokens it is given one by one.
+    """
+    if len(shape) < (2 if feature_dim else 1):
+        raise LayerConfigError(
+            f"{layer}: sequence_parallel=True needs the token dimension, to gather or "
+            f"scatter it over {axis_name!r}, but the layer is called on shape {shape} (one "
+            f"token: under jax.vmap over the tokens?). Sequence parallelism needs a model "
+            f"that calls the layer on whole sequences; leave sequence_parallel off."
+        )
+
+
 def check_stride(layer: str, name: str, features: int, stride: int) -> None:
     """Raise a `LayerConfigError` unless `stride` is positive and divides `features`."""
     check_positive(layer, "stride", stride)

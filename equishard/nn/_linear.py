@@ -40,6 +40,7 @@ from ._init import (
     check_partition,
     check_positive,
     check_stride,
+    check_token_dim,
     init_weight,
     value_of,
 )
@@ -260,6 +261,7 @@ class ColumnParallelLinear(eqx.Module):
         shape = (self.out_features, self.in_features)
         check_local_weight("ColumnParallelLinear", "weight", value_of(self.weight), shape, self.axis_name, n)
         if self.sequence_parallel and bound:
+            check_token_dim("ColumnParallelLinear", x.shape, self.axis_name)
             # f32[..., T/n, in] -> f32[..., T, in]
             x = gather_tokens(x, self.axis_name)
         elif bound:
@@ -413,6 +415,7 @@ class RowParallelLinear(eqx.Module):
             # f32[..., in] -> f32[..., in/n]
             x = scatter_strided(x, self.axis_name, self.stride)
         if self.sequence_parallel and bound:
+            check_token_dim(name, x.shape, self.axis_name)
             check_divisible(name, "the token dimension", x.shape[-2], self.axis_name, n)
         # f32[out, in/n]: this device's columns, the stride pieces concatenated.
         w = jnp.reshape(value_of(self.weight), (self.out_features, -1))

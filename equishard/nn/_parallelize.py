@@ -12,6 +12,7 @@ mask. See the "Your own model" guide.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -21,8 +22,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from equinox.nn._attention import dot_product_attention
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._axes import axis_size, is_bound
 from .._errors import EquishardError, LayerConfigError, SpecError
@@ -114,7 +116,8 @@ class HeadParallel:
     whenever the module is called inside `shard_map`, so code such as
     `q.reshape(seq, self.n_heads, self.head_dim)` sees the local head count. For
     `eqx.nn.MultiheadAttention` the fields (`num_heads`) and the projections are
-    handled without further entries.
+    handled without further entries, and its dropout (`dropout_p > 0`) draws each
+    head's one-device mask.
 
     **Arguments:**
 
@@ -241,16 +244,21 @@ def head_parallel_class(cls: type, fields: tuple[str, ...], axis_name: str) -> t
 
     Inside `shard_map` over `axis_name` it calls `cls.__call__` on a copy of itself with
     each named field divided by the axis size; outside, `cls.__call__` as it is.
+    `eqx.nn.MultiheadAttention` (its own `__call__`) gets `multihead_attention_local`
+    instead, which keeps its dropout masks and per-head masks those of the one-device
+    heads.
     `equishard.unbox` gives the plain `cls` instance back.
     """
     cache_key = (cls, fields, axis_name)
     if cache_key not in _HEAD_CLASSES:
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            local = self
-            if is_bound(axis_name):
-                n = axis_size(axis_name)
-                local = rebuild(cls, self, **{f: getattr(self, f) // n for f in fields})
+            if not is_bound(axis_name):
+                return cls.__call__(self, *args, **kwargs)
+            n = axis_size(axis_name)
+            local = rebuild(cls, self, **{f: getattr(self, f) // n for f in fields})
+            if cls.__call__ is eqx.nn.MultiheadAttention.__call__:
+                return multihead_attention_local(local, self.num_heads, axis_name, *args, **kwargs)
             return cls.__call__(local, *args, **kwargs)
 
         def __unbox__(self: Any) -> Any:
@@ -265,6 +273,56 @@ def head_parallel_class(cls: type, fields: tuple[str, ...], axis_name: str) -> t
         }
         _HEAD_CLASSES[cache_key] = type(cls.__name__, (cls,), namespace)
     return _HEAD_CLASSES[cache_key]
+
+
+def multihead_attention_local(
+    local: eqx.nn.MultiheadAttention,
+    num_heads: int,
+    axis_name: str,
+    query: Array,
+    key_: Array,
+    value: Array,
+    mask: Array | None = None,
+    *,
+    key: PRNGKeyArray | None = None,
+    inference: bool | None = None,
+    deterministic: bool | None = None,
+    process_heads: Callable[[Array, Array, Array], tuple[Array, Array, Array]] | None = None,
+) -> Array:
+    """`eqx.nn.MultiheadAttention.__call__` for this device's heads, inside `shard_map`.
+
+    `local` holds this device's `num_heads / n` heads (its projections split over
+    `axis_name`). Equinox splits the dropout key into one key per head; here it is split
+    into `num_heads` keys, one per *global* head, and this device takes its heads' keys
+    (and, for a per-head mask `[num_heads, q, kv]`, its heads' masks), so every head
+    draws the dropout mask it draws on one device, whatever the layout.
+    """
+    if deterministic is not None:
+        inference = deterministic
+    heads = local.num_heads
+    # Global heads [start, start + heads) are this device's.
+    start = jax.lax.axis_index(axis_name) * heads
+    if mask is not None and mask.ndim == 3:
+        # bool[H, q, kv] -> bool[H/n, q, kv]
+        mask = jax.lax.dynamic_slice_in_dim(mask, start, heads, axis=0)
+    # f32[S, D] @ f32[D, H/n * h] -> f32[S, H/n, h]
+    q_heads = local._project(local.query_proj, query)
+    k_heads = local._project(local.key_proj, key_)
+    v_heads = local._project(local.value_proj, value)
+    if process_heads is not None:
+        shapes = (q_heads.shape, k_heads.shape, v_heads.shape)
+        q_heads, k_heads, v_heads = process_heads(q_heads, k_heads, v_heads)
+        if (q_heads.shape, k_heads.shape, v_heads.shape) != shapes:
+            raise LayerConfigError("MultiheadAttention: process_heads must not change the shape of the heads.")
+    # One key per global head (as on one device), this device's heads' keys: key[H/n].
+    keys = None if key is None else jax.lax.dynamic_slice_in_dim(jax.random.split(key, num_heads), start, heads)
+    attend = functools.partial(dot_product_attention, dropout=local.dropout, inference=inference)
+    if mask is not None and mask.ndim == 3:
+        out = jax.vmap(attend, in_axes=1, out_axes=1)(q_heads, k_heads, v_heads, mask=mask, key=keys)
+    else:
+        out = jax.vmap(functools.partial(attend, mask=mask), in_axes=1, out_axes=1)(q_heads, k_heads, v_heads, key=keys)
+    # f32[S, H/n, h] -> f32[S, H/n * h] @ f32[H/n * h, D] (partial) -> f32[S, D]
+    return jax.vmap(local.output_proj)(out.reshape(query.shape[0], -1))
 
 
 # ---------------------------------------------------------------------------------------
@@ -374,13 +432,21 @@ def _heads(path: str, module: Any, style: HeadParallel, axis_name: str, n: int) 
     fields = style.fields
     if isinstance(module, eqx.nn.MultiheadAttention):
         fields = fields or ("num_heads",)
-        dropout = module.dropout
-        if not dropout.inference and not (isinstance(dropout.p, (int, float)) and dropout.p == 0):
+        if style.dropout_dim is not None:
             raise LayerConfigError(
-                f"parallelize: `{path}` is an eqx.nn.MultiheadAttention with dropout_p="
-                f"{dropout.p}: it splits its key into one per local head, so its masks "
-                f"would depend on the tensor-parallel layout. Build it with dropout_p=0 "
-                f"and apply dropout outside, or mark it inference=True."
+                f"parallelize: HeadParallel(dropout_dim={style.dropout_dim}) at `{path}`, an "
+                f"eqx.nn.MultiheadAttention: its dropout already draws each head's "
+                f"one-device mask; leave dropout_dim out."
+            )
+        dropout = module.dropout
+        own_call = type(module).__call__ is not eqx.nn.MultiheadAttention.__call__
+        if own_call and not dropout.inference and not (isinstance(dropout.p, (int, float)) and dropout.p == 0):
+            raise LayerConfigError(
+                f"parallelize: `{path}` is a {type(module).__name__} (an eqx.nn."
+                f"MultiheadAttention with its own __call__) with dropout_p={dropout.p}: "
+                f"splitting its key by the local head count would make its masks depend "
+                f"on the tensor-parallel layout. Build it with dropout_p=0 and apply "
+                f"dropout outside, or mark it inference=True."
             )
         columns = {
             name: _linear(f"{path}.{name}", getattr(module, name), ColwiseParallel(), axis_name, n)
