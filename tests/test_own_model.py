@@ -143,6 +143,13 @@ def fsdp_policy(path, module):
 
 
 @functools.cache
+def _llama():
+    """The model of `jax.random.key(0)`, initialised in one compiled program (eagerly,
+    op by op, it takes longer); tests that only read it share it."""
+    return eqx.filter_jit(lambda k: Llama(key=k))(jax.random.key(0))
+
+
+@functools.cache
 def _batches():
     rng = np.random.default_rng(0)
     return [rng.integers(0, VOCAB, (BATCH, SEQ + 1), dtype=np.int32) for _ in range(STEPS)]
@@ -306,8 +313,9 @@ def test_dropout_keys_belong_to_the_example():
 def test_fsdp_splits_most_of_a_plain_models_bytes_by_default():
     mesh = es.make_mesh("fsdp=8")
     use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    plain = _llama()
     with use_mesh(mesh):
-        model = es.nn.fsdp_wrap(Llama(key=jax.random.key(0)), "fsdp", policy=fsdp_policy)
+        model = es.nn.fsdp_wrap(plain, "fsdp", policy=fsdp_policy)
     split = total = 0
     for leaf in jax.tree.leaves(model, is_leaf=es.is_sharded):
         value = leaf.value if es.is_sharded(leaf) else leaf
@@ -328,11 +336,11 @@ def test_fsdp_warns_when_it_leaves_most_bytes_replicated():
 
 def test_fsdp_wrap_refuses_a_policy_that_selects_nothing():
     with pytest.raises(es.LayerConfigError, match="selects no module"):
-        es.nn.fsdp_wrap(Llama(key=jax.random.key(0)), "fsdp", policy=eqx.nn.Conv1d, mesh=es.make_mesh("fsdp=8"))
+        es.nn.fsdp_wrap(_llama(), "fsdp", policy=eqx.nn.Conv1d, mesh=es.make_mesh("fsdp=8"))
 
 
 def test_a_path_rule_that_matches_nothing_warns_or_raises():
-    model = Llama(key=jax.random.key(0))
+    model = _llama()
     rules = [(r"blocks\[\d+\]\.attn\.wq\.weight", P("tp")), (r"blocks\[\d+\]\.atn\.wo\.weight", P(None, "tp"))]
     with pytest.warns(UserWarning, match=r"atn\\\\.wo"):
         ruled = es.apply_rules(model, rules)
@@ -368,15 +376,16 @@ def test_unbox_of_gather_gives_back_the_plain_model():
     """An FSDP-wrapped (and a path-ruled) model comes back as the model it was written
     as, callable on one device with the same output."""
     mesh = es.make_mesh("fsdp=8")
-    original = Llama(key=jax.random.key(0))
+    original = _llama()
     wrapped = es.sharded_init(lambda k: es.nn.fsdp_wrap(Llama(key=k), "fsdp", policy=fsdp_policy), jax.random.key(0), mesh=mesh)
     ruled = es.shard(es.apply_rules(original, tp_rules("fsdp")[:1] + [(r"attn\.wo", P("fsdp"))]), es.make_mesh("fsdp=4,tp=2"))
     tokens, key = _batches()[0][0, :-1], jax.random.key(1)
-    want = original(tokens, key=key)
+    call = eqx.filter_jit(lambda m: m(tokens, key=key))
+    want = call(original)
     for model in (wrapped, ruled):
         plain = es.unbox(es.gather(model))
         assert jax.tree.structure(plain) == jax.tree.structure(original)
-        assert rel_err(plain(tokens, key=key), want) <= 1e-6
+        assert rel_err(call(plain), want) <= 1e-6
 
 
 def _fsdp8_step_collectives(name):
@@ -496,7 +505,7 @@ def test_parallelize_probe_refuses_what_the_plan_cannot_fix():
 
 def test_parallelize_checks_its_plan():
     mesh = es.make_mesh("dp=2,tp=4")
-    model = Llama(key=jax.random.key(0))
+    model = _llama()
     with pytest.raises(es.LayerConfigError, match="n_kv_heads = 2, not divisible by the size 4"):
         es.parallelize(model, PLAN, mesh)
     with pytest.raises(es.LayerConfigError, match=r"`embed` \(Embedding\) the style ColwiseParallel"):
@@ -524,7 +533,7 @@ def test_sequence_parallel_styles_refuse_a_model_that_vmaps_over_tokens():
         r"blocks\[\d+\]\.(attn\.wo|w2)": es.nn.RowwiseParallel(sequence_parallel=True),
         r"head": es.nn.ColwiseParallel(gather_output=True),
     }
-    model = Llama(key=jax.random.key(0))
+    model = _llama()
     with pytest.raises(es.LayerConfigError, match=r"ParallelEmbedding: sequence_parallel=True needs the token dimension.*shape \(\)"):
         es.parallelize(model, sp_plan, es.make_mesh("dp=4,tp=2"), probe=probe)
     # A column layer called token by token inside shard_map: the same refusal.
@@ -535,7 +544,7 @@ def test_sequence_parallel_styles_refuse_a_model_that_vmaps_over_tokens():
 
 def test_parallelize_keeps_paths_and_unbox_gives_the_original_classes():
     mesh = es.make_mesh("dp=4,tp=2")
-    original = Llama(key=jax.random.key(0))
+    original = _llama()
     model = es.parallelize(original, PLAN, mesh)
     assert isinstance(model.blocks[0].attn.wq, es.nn.ColumnParallelLinear)
     assert isinstance(model.blocks[0].w2, es.nn.RowParallelLinear)
