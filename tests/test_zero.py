@@ -206,6 +206,11 @@ def test_zero_errors():
     _, _, _, zero_step = setup("dp=8", True)
     with pytest.raises(LayerConfigError, match="init_train_state"):
         zero_step.lower(plain_state, _data(0))
+    # And a ZeRO state given to a plain step.
+    _, zero_state, _, _ = setup("dp=8", True)
+    _, _, _, plain_step = setup("dp=8", False)
+    with pytest.raises(LayerConfigError, match="trees differ"):
+        plain_step.lower(zero_state, _data(0))
 
 
 def test_inspect_zero(capsys):

@@ -343,6 +343,29 @@ def _zero_gradient(grad: Any, pending: Any, zero: PyTree, zaxes: tuple[str, ...]
     return value
 
 
+def _first_update(
+    optimizer: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree,
+    zaxes: tuple[str, ...],
+) -> PyTree:
+    """`optimizer.update(...)`'s updates. If optax fails and the state's tree (its boxes'
+    specs included) is not the one `optimizer.init` builds for the parameters as the
+    update sees them, the error names the likely cause (ZeRO on one side only)."""
+    try:
+        return optimizer.update(grads, opt_state, params)[0]
+    except (ValueError, TypeError) as err:
+        expected = jax.eval_shape(optimizer.init, params)
+        if jax.tree.structure(expected) == jax.tree.structure(opt_state):
+            raise  # the state is as the optimizer builds it: another error
+        raise LayerConfigError(
+            f"make_train_step(zero={zaxes or None!r}): optimizer.update cannot map the "
+            f"state's optimizer state over the gradients: their trees differ (a box's spec is "
+            f"part of the tree). A state built by init_train_state(..., zero=...) trains with "
+            f"make_train_step(..., zero=...) of the same axes and zero_min_weight_size, and a "
+            f"state built without it with zero=None (see the training guide). optax said: "
+            f"{str(err).splitlines()[0]}"
+        ) from err
+
+
 def _check_zero_state(opt_state: PyTree, zaxes: tuple[str, ...], mesh: Mesh, min_size: int) -> None:
     """Raise unless the optimizer state was built for ZeRO over `zaxes` (or without it)."""
     split = zero_split(opt_state, zaxes or None, mesh=mesh, min_weight_size=min_size)
@@ -600,7 +623,7 @@ def make_train_step(
         # once more to apply (the second behind a barrier, so XLA neither merges the
         # two nor keeps the first), no update outlives its fusion: the step holds the
         # gradients, not also a parameter-sized update and new moments at once.
-        checked, _ = optimizer.update(grads, state.opt_state, params)
+        checked = _first_update(optimizer, grads, state.opt_state, params, zaxes)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
         grads, opt_in, params, ok = jax.lax.optimization_barrier((grads, state.opt_state, params, ok))
         updates, opt_state = optimizer.update(grads, opt_in, params)
