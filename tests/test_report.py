@@ -357,7 +357,12 @@ def test_every_command_knows_the_same_presets():
 
 @pytest.mark.parametrize(
     "layout, term",
-    [(Layout("dp=2,cp=4"), "cp: ring attention"), (Layout("fsdp=2,cp=2,tp=2", sequence_parallel=True, cp_impl="alltoall"), "cp: all-to-all attention")],
+    [
+        (Layout("dp=2,cp=4"), "cp: ring attention"),
+        (Layout("fsdp=2,cp=2,tp=2", sequence_parallel=True, cp_impl="alltoall"), "cp: all-to-all attention"),
+        (Layout("pp=2,cp=2,dp=2"), "cp: ring attention"),
+        (Layout("pp=2,cp=4"), "cp: ring attention"),
+    ],
 )
 def test_context_parallel_step_sends_its_analytical_minimum(layout, term):
     """Ring (collective-permutes of key/value blocks and their gradients) and all-to-all

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import equishard as es
+from equishard import LayerConfigError
 from equishard._app import get_batch, load_stdlib_corpus
 from equishard.models import GPT, GPTConfig, cast_floating, token_batch
 from equishard.report import collective_bytes, read_collectives
@@ -118,6 +119,31 @@ def test_context_parallel_layouts_train_to_the_same_losses(spec, cp_impl, sequen
     reference = _losses("dp=1", GQA)
     for step, (a, b) in enumerate(zip(_losses(spec, GQA, sequence_parallel, cp_impl=cp_impl), reference)):
         assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
+
+
+@pytest.mark.parametrize(
+    "spec, schedule, cp_impl",
+    [("pp=2,cp=2,dp=2", None, "ring"), ("pp=2,cp=2,tp=2", "1f1b", "alltoall")],
+)
+def test_context_parallel_with_a_pipeline_trains_to_the_same_losses(spec, schedule, cp_impl):
+    """cp inside every pipeline stage, the positions row passed to each layer call: ring
+    attention under GPipe (dp=2), all-to-all under 1F1B (key/value heads split over tp=2)."""
+    reference = _losses("dp=1", GQA)
+    losses = _losses(spec, GQA, pipeline_schedule=schedule, cp_impl=cp_impl)
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert abs(a - b) <= 1e-4 * abs(b), (spec, schedule, step, a, b)
+
+
+@pytest.mark.parametrize(
+    "layout, config, match",
+    [
+        (Layout("pp=2,cp=2,dp=2", pipeline_schedule="1f1b"), GQA, "schedule.*cp_impl='alltoall'"),
+        (Layout("cp=2,dp=4"), MOE, "context-parallel axis 'cp' with MoE.*moe_every"),
+    ],
+)
+def test_unsupported_context_parallel_combinations_are_refused(layout, config, match):
+    with pytest.raises(LayerConfigError, match=match):
+        GPT(config, layout.parallelism(), key=jax.random.key(0))
 
 
 def test_sequence_parallel_trains_to_the_same_losses():

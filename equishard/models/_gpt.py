@@ -184,12 +184,15 @@ class Unit(eqx.Module):
 
 
 class _OutputOnly(eqx.Module):
-    """A unit as a pipeline stage: activations in, activations out."""
+    """A unit as a pipeline stage: activations in, activations out.
+
+    `positions` (`[T]`, the same for every example) reaches every stage's call unchanged.
+    """
 
     unit: Any
 
-    def __call__(self, x: Array) -> Array:
-        return self.unit(x)[0]
+    def __call__(self, x: Array, positions: Array | None = None) -> Array:
+        return self.unit(x, positions)[0]
 
 
 def _remat(fn: Any, config: GPTConfig) -> Any:
@@ -216,11 +219,18 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
         )
     if par.sequence_parallel and config.moe_every:
         raise LayerConfigError("GPT: sequence parallelism with MoE layers is not supported.")
-    if par.context and (config.moe_every or par.pipeline):
+    if par.context and config.moe_every:
         raise LayerConfigError(
-            f"GPT: a context-parallel axis {par.context!r} with "
-            f"{'MoE layers' if config.moe_every else 'a pipeline axis'} is not supported; "
-            f"drop cp or {'moe_every' if config.moe_every else 'pp'}."
+            f"GPT: a context-parallel axis {par.context!r} with MoE layers is not "
+            f"supported; drop cp or moe_every."
+        )
+    explicit = par.pipeline_schedule not in (None, "gpipe", "circular")
+    if par.context and par.pipeline and explicit and par.context_impl == "ring":
+        raise LayerConfigError(
+            f"GPT: ring attention over the context axis {par.context!r} does not run under "
+            f"the {par.pipeline_schedule!r} pipeline schedule (its key/value ring would "
+            f"run inside the schedule's per-stage branches, which XLA:CPU does not "
+            f"execute); use cp_impl='alltoall', or pipeline_schedule='gpipe' or 'circular'."
         )
     if par.context and par.context_impl == "alltoall":
         local_heads = config.n_heads // max(par.size(par.tensor), 1)
@@ -362,7 +372,9 @@ class GPT(eqx.Module):
         # the lookup's backward is a scatter-add that needs no table.
         x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
-            return self.units(x), MoEAuxSum.zeros()
+            # Every stage's layers get the positions row: int32[T/cp] (every example's is
+            # the same, see `token_batch`), whatever micro-batch they run.
+            return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
         call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
 
@@ -420,7 +432,9 @@ class GPT(eqx.Module):
         table = cast_varying(jnp.asarray(self.embed.weight.value), varying_axes(ids))
         return eqx.tree_at(lambda m: m.embed.weight.value, self, table)
 
-    def _scheduled_loss(self, ids: Array, labels: Array) -> tuple[Array, dict[str, Array]]:
+    def _scheduled_loss(
+        self, ids: Array, labels: Array, positions: Array | None = None
+    ) -> tuple[Array, dict[str, Array]]:
         """The loss with an explicit pipeline schedule (1F1B, interleaved 1F1B, ZB-H1).
 
         The embedding runs on the first stage and the final norm, head and cross-entropy
@@ -460,10 +474,11 @@ class GPT(eqx.Module):
 
         ce = self.units.loss(
             ids, labels, first=first, first_params=embed_arrays, last=last,
-            last_params=tail_arrays,
+            last_params=tail_arrays, layer_args=_position_row(positions),
         )  # fmt: skip
-        if par.data_axes:
-            ce = jax.lax.pmean(ce, par.data_axes)
+        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
+        if mean_axes:
+            ce = jax.lax.pmean(ce, mean_axes)
         return ce, {"cross_entropy": ce}
 
     def loss(
@@ -490,7 +505,9 @@ class GPT(eqx.Module):
         else:
             ids, labels, positions = batch[:, :-1], batch[:, 1:], None
         if isinstance(self.units, PipelineModule) and self.units.explicit:
-            return self._scheduled_loss(ids, labels)
+            if par.context and positions is None:
+                self.hidden(ids, positions)  # raises: the context axis needs positions
+            return self._scheduled_loss(ids, labels, positions)
         model = self._tie_varying(ids) if self.config.tied else self
         h, aux = model.hidden(ids, positions)
         logits = model.logits(h).astype(jnp.float32)
@@ -517,6 +534,15 @@ class GPT(eqx.Module):
             metrics["z_loss"] = aux.z_loss / moe_layers
             metrics["dropped"] = aux.dropped
         return loss, metrics
+
+
+def _position_row(positions: Array | None) -> tuple[Array, ...]:
+    """`(positions[0],)`, the one positions row `int32[T/cp]` a pipeline's layers share, or `()`.
+
+    A pipeline passes its layers one set of extra arguments for every micro-batch, so the
+    rows must agree: `token_batch` gives every example the same positions.
+    """
+    return () if positions is None else (positions[0],)
 
 
 def check_context_split(par: Parallelism, seq_len: int) -> None:

@@ -231,6 +231,7 @@ class PipelineModule(eqx.Module):
         last_params: PyTree = None,
         first: Callable[[PyTree, PyTree], Array] | None = None,
         first_params: PyTree = None,
+        layer_args: tuple[Any, ...] = (),
     ) -> Array:
         """The mean loss of the pipeline's micro-batches, on every stage (local view).
 
@@ -252,6 +253,8 @@ class PipelineModule(eqx.Module):
         - `last_params`: its parameters (a pytree of arrays, or boxes).
         - `first`: `first(first_params, inputs_m) -> h`, e.g. the embedding; or `None`.
         - `first_params`: its parameters.
+        - `layer_args`: extra arguments passed to every layer call unchanged, as
+          `__call__`'s `*args` (not differentiated; the same for every micro-batch).
 
         **Returns:**
 
@@ -261,7 +264,7 @@ class PipelineModule(eqx.Module):
         m = self.num_microbatches
         if not self.explicit:
             h = inputs if first is None else first(first_params, inputs)
-            y = self(h)  # f32[B, ...] on the last stage, zeros elsewhere
+            y = self(h, *layer_args)  # f32[B, ...] on the last stage, zeros elsewhere
             split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
             losses = jax.vmap(lambda y, t: last(last_params, y, t))(
                 split(y), jax.tree.map(split, targets)
@@ -283,7 +286,7 @@ class PipelineModule(eqx.Module):
         chunks = jax.tree.map(lambda a: a.reshape(self.repeats, per, *a.shape[1:]), dynamic)
 
         def stage(chunk: PyTree, h: Array) -> Array:
-            return self._run_layers(chunk, static, h)
+            return self._run_layers(chunk, static, h, *layer_args)
 
         stage.__name__ = "PipelineModule"
         return execute_schedule(

@@ -86,7 +86,13 @@ plus the terms the textbook formulas leave out. Each `Term` records its formula.
   accumulators, `cp · 2K` (the last shift brings them home). All-to-all attention sends per layer
   `2 · (cp−1)/cp · (2Q + 2K)` (q, k, v in and the output back, forward and backward;
   key/value heads repeated to a multiple of `cp`) and all-gathers the positions once
-  for all layers, `(cp−1) · P`. The context axis also joins the data axes in the gradient reduction
+  for all layers, `(cp−1) · P`. With a pipeline axis a device runs its `L/(S R)`
+  layers `T` times on micro-batches (`K`, `P` per micro-batch): the ring sends the
+  per-layer terms for each of those calls; with `cp = 2` (one shift) the positions
+  travel once and the last call's forward blocks serve its backward's re-ring, so
+  `(cp−1) · 2K` per local layer less. All-to-all attention under a pipeline sends
+  the bytes of `L/(S R) · T/M` layers on the whole local batch, and gathers the
+  positions row `int32[S/cp]` once. The context axis also joins the data axes in the gradient reduction
   and the loss `pmean`, and `A` counts the tokens per data and context shard.
 - *Scalars*: the loss `pmean` over the data axes (with MoE also the cross-entropy
   metric, which then differs from the loss, and the gradient of the global auxiliary
@@ -594,6 +600,25 @@ def _context_terms(s: _Setting) -> list[Term]:
     kv = rows * kv_heads * head_dim * F32  # K: one f32 key (or value) block
     pos = rows * F32  # its int32 positions
     axes = (s.context,)
+    if s.context_impl == "ring" and s.stages > 1:
+        # A device runs its L/(S R) layers T times per pass on micro-batches of K/M. With
+        # n = 2 the ring is one shift: the positions row (the same for every layer and
+        # step) travels once, and the last stage call's forward key/value sends serve its
+        # backward's re-ring; with n > 2 the positions travel with the blocks backward.
+        per = config.n_layers // (s.stages * s.repeats)
+        calls = per * s.steps
+        kv_m, pos_m = kv / s.microbatches, pos / s.microbatches
+        one_shift = n == 2
+        backward = (n - 1) * (2 * kv_m + (0 if one_shift else pos_m)) + n * 2 * kv_m
+        merged = per * (n - 1) * 2 * kv_m if one_shift else 0.0
+        value = float(calls * ((n - 1) * 2 * kv_m + backward) - merged + (n - 1) * pos_m)
+        formula = (
+            f"{calls} layer calls (L/(S R) x T) x ((n-1)·2K forward + "
+            + ("(n-1)·2K + n·2K backward) - L/(S R) x (n-1)·2K (the last call's forward "
+               "sends serve its backward)" if one_shift else "(n-1)(2K + P) + n·2K backward)")
+            + f" + (n-1)P, K = {human_bytes(kv_m)}, P = {human_bytes(pos_m)} (per micro-batch)"
+        )
+        return [Term("cp: ring attention (key/value blocks; their gradients home)", "collective-permute", axes, n, formula, value, value)]
     if s.context_impl == "ring":
         # Every layer reads the same positions: forward they travel the ring once.
         value = float(layers * ((n - 1) * 2 * kv + (n - 1) * (2 * kv + pos) + n * 2 * kv) + (n - 1) * pos)
@@ -605,6 +630,19 @@ def _context_terms(s: _Setting) -> list[Term]:
     wide = math.lcm(kv_heads, n)  # key/value heads repeated to split over the axis
     q = rows * heads * head_dim * F32
     kvw = rows * wide * head_dim * F32
+    if s.stages > 1:
+        # L/(S R) layers T times on micro-batches of Q/M, K/M: the same bytes as
+        # L/(S R) · T/M layers on the whole local batch. The layers share one positions
+        # row int32[S/cp], gathered once.
+        pos = s.seq // n * F32
+        calls = config.n_layers // (s.stages * s.repeats) * s.steps / s.microbatches
+        value = float(calls * 2 * _ring(n) * (2 * q + 2 * kvw) + (n - 1) * pos)
+        formula = (
+            f"L/(S R) x T/M = {calls:g} layers x 2 x (n-1)/n (2Q + 2K) + (n-1)P, "
+            f"Q = {human_bytes(q)}, K = {human_bytes(kvw)}, P = {human_bytes(pos)} "
+            f"(the positions row, gathered once)"
+        )
+        return [Term("cp: all-to-all attention (q, k, v in; out back; forward and backward)", "all-to-all", axes, n, formula, value, value)]
     value = float(layers * 2 * _ring(n) * (2 * q + 2 * kvw) + (n - 1) * pos)
     formula = (
         f"{layers} layers x 2 x (n-1)/n (2Q + 2K) + (n-1)P, Q = {human_bytes(q)}, "
