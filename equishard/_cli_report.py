@@ -44,17 +44,9 @@ def parse_bytes(text: str) -> int:
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from .sharding import Layout
+    from .sharding._layout import layout_from_options
 
-    return Layout(
-        args.layout,
-        sequence_parallel=args.sequence_parallel,
-        num_microbatches=args.microbatches,
-        pipeline_repeats=args.pipeline_repeats,
-        pipeline_schedule=args.pipeline_schedule,
-        cp_impl=args.cp_impl,
-        zero=args.zero,
-    )
+    return layout_from_options(args)
 
 
 def _cpu_devices(n: int) -> list:

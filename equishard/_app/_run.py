@@ -48,6 +48,7 @@ from ..report._flops import (
     gpt_matmul_parameters,
 )
 from ..sharding import Layout, filter_shard_map, format_param_table, gather
+from ..sharding._layout import layout_from_options
 from ..train import TrainState, export_model, init_train_state, make_train_step
 from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
 from ._log import (
@@ -242,15 +243,7 @@ class Run:
     def __init__(self, config: TrainConfig, *, devices: list | None = None):
         check_options(config)
         self.config = config
-        self.layout = Layout(
-            config.layout,
-            sequence_parallel=config.sequence_parallel,
-            num_microbatches=config.microbatches,
-            pipeline_repeats=config.pipeline_repeats,
-            pipeline_schedule=config.pipeline_schedule,
-            cp_impl=config.cp_impl,
-            zero=config.zero,
-        )
+        self.layout = layout_from_options(config)
         devices = list(jax.devices() if devices is None else devices)
         self.mesh: Mesh = self.layout.mesh(devices)
         _check(config, self.layout, len(devices))

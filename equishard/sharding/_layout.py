@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -193,3 +194,19 @@ class Layout:
         """How many ways the batch is split."""
         axes = self.axes(num_devices)
         return math.prod(axes[a] for a in axes if a in DATA_AXES)
+
+
+def layout_from_options(options: Any) -> Layout:
+    """The `Layout` that the train, inspect and plan commands' options name: an object
+    with the attributes `layout`, `sequence_parallel`, `microbatches`,
+    `pipeline_repeats`, `pipeline_schedule`, `cp_impl` and `zero` (parsed flags, or the
+    application's run configuration)."""
+    return Layout(
+        options.layout,
+        sequence_parallel=options.sequence_parallel,
+        num_microbatches=options.microbatches,
+        pipeline_repeats=options.pipeline_repeats,
+        pipeline_schedule=options.pipeline_schedule,
+        cp_impl=options.cp_impl,
+        zero=options.zero,
+    )
