@@ -156,8 +156,9 @@ def vma_checked(axis_name: AxisName) -> bool:
     With the check on, `axis_index` is typed as varying along the axis; with
     `check_vma=False` nothing carries a type.
     """
-    axes = axis_tuple(axis_name)
-    return bool(set(axes) & varying_axes(jax.lax.axis_index(axes)))
+    # One probe per axis (each checked, as the tuple's would be): `axis_index` of one
+    # axis is one dead equation in the trace, of a tuple the linear index, five.
+    return any([a in varying_axes(jax.lax.axis_index(a)) for a in axis_tuple(axis_name)])
 
 
 # ---------------------------------------------------------------------------

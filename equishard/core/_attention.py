@@ -150,18 +150,26 @@ def _reduce_to(ct: Array, primal: Array) -> Array:
 # Dense attention
 
 
+def _select(pred: Array, x: Array, fill: float) -> Array:
+    """`jnp.where(pred, x, fill)` as one `select_n` (`jnp.where` stages a nested function,
+    which every transformation of a layer's trace then handles as a call)."""
+    return jax.lax.select(jnp.broadcast_to(pred, x.shape), x, jax.lax.full_like(x, fill))
+
+
 def _dense(c: _Canon, causal: bool, scale: float) -> tuple[Array, Array]:
     """Dense attention on the canonical layout: (f32[B, Sq, Hkv, G, D], f32[B, Sq, Hkv, G])."""
     # [B, Sq, Hkv, G, D] x [B, Sk, Hkv, D] -> f32[B, Hkv, G, Sq, Sk]
     s = jnp.einsum("bqhgd,bkhd->bhgqk", c.q, c.k, preferred_element_type=jnp.float32) * scale
     mask = _mask(c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, c.kv_valid, causal)[:, None, None]
-    s = jnp.where(mask, s, -jnp.inf)
+    s = _select(mask, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    m = _select(jnp.isfinite(m), m, 0.0)
+    p = _select(mask, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1)
-    lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m[..., 0], -jnp.inf)
-    p = p / jnp.where(l > 0, l, 1.0)[..., None]
+    seen = l > 0  # bool[B, Hkv, G, Sq]: the query sees some key
+    l = _select(seen, l, 1.0)
+    lse = _select(seen, jnp.log(l) + m[..., 0], -jnp.inf)
+    p = p / l[..., None]
     # f32[B, Hkv, G, Sq, Sk] x [B, Sk, Hkv, D] -> f32[B, Sq, Hkv, G, D]
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(c.v.dtype), c.v, preferred_element_type=jnp.float32)
     return out, jnp.moveaxis(lse, -1, 1)

@@ -139,7 +139,14 @@ def rotary_embedding(
 
     The rotated array, same shape and dtype.
     """
-    seq, head_dim = x.shape[-3], x.shape[-1]
+    return _rotate(x, *_rotary_table(x.shape[-3], x.shape[-1], base, positions))
+
+
+def _rotary_table(
+    seq: int, head_dim: int, base: float, positions: Int[Array, "... seq"] | None
+) -> tuple[Array, Array]:
+    """The cosines and sines of `rotary_embedding`'s angles, each `f32[..., T, 1, hd/2]`
+    (one table for the queries and the keys of a layer)."""
     half = head_dim // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * (2.0 / head_dim))
     if positions is None:
@@ -151,10 +158,15 @@ def rotary_embedding(
     # f32[..., T, 1, hd/2]
     pos = positions.astype(jnp.float32)[..., :, None]
     angles = (pos * jnp.broadcast_to(inv_freq, (*pos.shape[:-1], half)))[..., :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate(x: Float[Array, "... seq heads head_dim"], cos: Array, sin: Array) -> Array:
+    """`x` rotated by the table `(cos, sin)` of `_rotary_table`, same shape and dtype."""
+    half = x.shape[-1] // 2
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
-    cos = jnp.broadcast_to(jnp.cos(angles), x1.shape)
-    sin = jnp.broadcast_to(jnp.sin(angles), x1.shape)
+    cos, sin = jnp.broadcast_to(cos, x1.shape), jnp.broadcast_to(sin, x1.shape)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
 
@@ -493,8 +505,9 @@ class ParallelAttention(eqx.Module):
         """
         q, k, v = self.qkv_heads(x)
         if self.rotary:
-            q = rotary_embedding(q, self.rotary_base, positions=positions)
-            k = rotary_embedding(k, self.rotary_base, positions=positions)
+            # One table for both: f32[..., T, 1, hd/2] each.
+            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions)
+            q, k = _rotate(q, *table), _rotate(k, *table)
         cp = self.context_axis_name
         if cp is not None and is_bound(cp):
             if positions is None:

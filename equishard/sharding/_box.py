@@ -94,7 +94,7 @@ class Sharded(eqx.Module):
 
     def with_value(self, value: ArrayLike) -> "Sharded":
         """The same box (type, spec, global shape) around another value."""
-        return eqx.tree_at(lambda b: b.value, self, value)
+        return _rebuilt(self, value, self.spec)
 
 
 def with_spec(box: Sharded, spec: P) -> Sharded:
@@ -105,9 +105,16 @@ def with_spec(box: Sharded, spec: P) -> Sharded:
     keeps reading it as replicated. Every box of a tree rewritten this way by the same
     rule keeps the tree's structure the same as its parameters' (optax maps over both).
     """
+    return _rebuilt(box, box.value, P(*spec, *((None,) * (len(box.global_shape) - len(spec)))))
+
+
+def _rebuilt(box: Sharded, value: ArrayLike, spec: P) -> Sharded:
+    """A box of `box`'s class and global shape around `value` under `spec` (padded), made
+    as unflattening a tree makes it: without `__init__`'s checks, and cheaply (boxes are
+    rewritten for every array at every trace)."""
     new = object.__new__(type(box))
-    object.__setattr__(new, "value", box.value)
-    object.__setattr__(new, "spec", P(*spec, *((None,) * (len(box.global_shape) - len(spec)))))
+    object.__setattr__(new, "value", value)
+    object.__setattr__(new, "spec", spec)
     object.__setattr__(new, "global_shape", box.global_shape)
     return new
 
