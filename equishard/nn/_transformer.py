@@ -606,8 +606,12 @@ class ParallelMLP(eqx.Module):
         # f32[..., T(/n), D] -> f32[..., T, F/n] (or 2 F/n with swiglu)
         h = checkpoint_name(self.up(x), MLP_IN)
         if self.swiglu:
-            h = h.reshape(*h.shape[:-1], 2, -1)
-            h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+            # f32[..., T, 2 F/n] -> gate, up f32[..., T, F/n] (the stride-2 columns: this
+            # device's gate block, then its up block). A split, not two slices: its
+            # transpose concatenates the two gradients into one buffer, where two slices'
+            # pads would hold three.
+            gate, up = jnp.split(h, 2, axis=-1)
+            h = jax.nn.silu(gate) * up
         else:
             h = self.activation(h)
         # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]

@@ -29,7 +29,7 @@ sequence parallelism, floats of 4 bytes unless the model's dtype says otherwise)
   per device and so is the new one; the gradients still count whole: each device
   sums its own unreduced gradients through the backward pass and reduce-scatters them
   after it (measured on the 5.25 M-parameter GPT, `dp=8 --zero`: total 70.8 MiB
-  estimated, 73.6 MiB compiled).
+  estimated, 71.8 MiB compiled).
 
 The temporaries are the gradients plus the larger of the backward pass's activations
 and the update's new optimizer state. Under FSDP each unit gathers its parameters

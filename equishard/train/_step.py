@@ -205,12 +205,30 @@ def _invariant_over(tree: PyTree, axes: tuple[str, ...]) -> bool:
     return not any(set(axes) & varying_axes(x) for x in jax.tree.leaves(tree) if eqx.is_array(x))
 
 
-def _where(pred: Array, new: PyTree, old: PyTree) -> PyTree:
-    # `lax.select` with the scalar predicate: one primitive per array (`jnp.where`
-    # would stage a nested function per array).
-    return jax.tree.map(
-        lambda a, b: jax.lax.select(pred, a, b) if eqx.is_array(a) else a, new, old
-    )
+def _apply_if(
+    ok: Array, optimizer: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, model: PyTree
+) -> tuple[PyTree, PyTree]:
+    """`(model, opt_state)` after `optimizer`'s update if `ok`, else both unchanged.
+
+    A `lax.cond`, not a select of new and old: the update reads each old moment once,
+    for its new value, and writes it in place. Selected, the moment would be read by two
+    fusions (its select and the parameter's update, which recomputes the new moment)
+    while one of them overwrites it, so XLA keeps a copy of the whole optimizer state
+    for the whole step (measured: 40 MiB per device on the 5.25 M-parameter GPT at dp=8).
+    """
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def apply(operands: Any) -> Any:
+        grads, opt_state, arrays = operands
+        updates, opt_state = optimizer.update(grads, opt_state, arrays)
+        return eqx.apply_updates(arrays, updates), opt_state
+
+    def keep(operands: Any) -> Any:
+        _, opt_state, arrays = operands
+        return arrays, opt_state
+
+    arrays, opt_state = jax.lax.cond(ok, apply, keep, (grads, opt_state, arrays))
+    return eqx.combine(arrays, static), opt_state
 
 
 def _all_finite(mesh: Mesh) -> Callable[[PyTree], Array]:
@@ -620,14 +638,13 @@ def make_train_step(
         old_model = shard(zero_view(state.model), mesh) if zaxes else state.model
         params = eqx.filter(old_model, eqx.is_array)
         # The guard reads every update before any is applied; computed once for it and
-        # once more to apply (the second behind a barrier, so XLA neither merges the
-        # two nor keeps the first), no update outlives its fusion: the step holds the
-        # gradients, not also a parameter-sized update and new moments at once.
+        # once more to apply (the second inside the branch that applies it, so XLA
+        # neither merges the two nor keeps the first), no update outlives its fusion:
+        # the step holds the gradients, not also a parameter-sized update and new
+        # moments at once.
         checked = _first_update(optimizer, grads, state.opt_state, params, zaxes)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
-        grads, opt_in, params, ok = jax.lax.optimization_barrier((grads, state.opt_state, params, ok))
-        updates, opt_state = optimizer.update(grads, opt_in, params)
-        model = _where(ok, eqx.apply_updates(old_model, updates), old_model)
+        model, opt_state = _apply_if(ok, optimizer, grads, state.opt_state, old_model)
         if zaxes:
             # The updated shards, then (by `shard` below) all-gathered once.
             model = _with_specs_of(shard(model, mesh), state.model)
@@ -635,7 +652,7 @@ def make_train_step(
         new_state = TrainState(
             step=state.step + 1,
             model=model,
-            opt_state=_where(ok, opt_state, state.opt_state),
+            opt_state=opt_state,
             key=state.key,
             data_position=state.data_position + global_batch,
             skipped=state.skipped + (~ok).astype(jnp.int32),
