@@ -109,7 +109,7 @@ def with_spec(box: Sharded, spec: P) -> Sharded:
 
 
 def _rebuilt(box: Sharded, value: ArrayLike, spec: P) -> Sharded:
-    """A box of `box`'s class and global shape around `value` under `spec` (padded), made
+    """A box of `box`'s class and global shape around `value` under `spec`, made
     as unflattening a tree makes it: without `__init__`'s checks, and cheaply (boxes are
     rewritten for every array at every trace)."""
     new = object.__new__(type(box))
