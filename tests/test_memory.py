@@ -144,6 +144,72 @@ def test_remat_policies_refuse_what_they_cannot_do():
 
 
 # ---------------------------------------------------------------------------
+# The blocks run on pieces of the batch (`batch_chunks`).
+
+CHUNKS_LAYOUT = Layout("dp=2,tp=4", sequence_parallel=True)
+
+
+def _chunked_run(batch_chunks: int):
+    config = dataclasses.replace(SMALL, remat="minimal_with_context", batch_chunks=batch_chunks)
+    mesh = CHUNKS_LAYOUT.mesh(jax.devices()[:8])
+    adamw = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
+    state = init_train_state(
+        lambda k: GPT(config, CHUNKS_LAYOUT.parallelism(8), key=k), adamw, jax.random.key(0), mesh=mesh
+    )
+    step = make_train_step(
+        lambda m, b, k: m.loss(b, k), adamw, mesh=mesh, batch_spec=CHUNKS_LAYOUT.batch_spec(8)
+    )
+    losses = []
+    for i in range(3):
+        batch = jax.random.randint(jax.random.key(i), (BATCH, SEQ + 1), 0, SMALL.vocab_size)
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def test_batch_chunks_give_the_losses_and_parameters_of_one_piece():
+    reference, ref_losses = _chunked_run(1)
+    state, losses = _chunked_run(2)
+    assert ref_losses[-1] < ref_losses[0]
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+    # The same parameters (the models differ in their static config only).
+    parts = lambda m: (m.embed, m.units, m.norm, m.head)  # noqa: E731
+    assert_tree_allclose(parts(state.model), parts(reference.model))
+
+
+def test_batch_chunks_send_the_same_bytes_and_hold_fewer_temporaries_on_tp():
+    from equishard.report import collective_bytes, memory_stats, read_collectives
+
+    layout = Layout("tp=8", sequence_parallel=True)
+    measured = {}
+    for chunks in (1, 2):
+        config = dataclasses.replace(MEASURED, n_heads=8, remat="minimal_with_context", batch_chunks=chunks)
+        step = abstract_train_step(
+            config, layout, batch_size=8, seq_len=128, optimizer=optax.adamw(1e-3), clip_norm=1.0
+        )
+        compiled = step.lowered.compile()
+        memory = memory_stats(compiled)
+        assert memory is not None
+        measured[chunks] = (memory.argument_bytes, memory.temp_bytes, collective_bytes(read_collectives(compiled)))
+    (args1, temps1, sent1), (args2, temps2, sent2) = measured[1], measured[2]
+    assert args2 == args1 and sent2 == sent1, measured
+    assert temps2 < temps1, measured
+
+
+def test_batch_chunks_refuse_what_they_cannot_do():
+    with pytest.raises(LayerConfigError, match="batch_chunks=0 must be at least 1"):
+        GPT(dataclasses.replace(SMALL, batch_chunks=0), key=jax.random.key(0))
+    with pytest.raises(LayerConfigError, match="batch_chunks=2 with MoE layers"):
+        GPT(dataclasses.replace(SMALL, batch_chunks=2, moe_every=2, num_experts=4), key=jax.random.key(0))
+    with pytest.raises(LayerConfigError, match="batch_chunks=2 with a pipeline axis"):
+        _abstract_gpt(dataclasses.replace(SMALL, batch_chunks=2), Layout("pp=2"))
+    model = GPT(dataclasses.replace(SMALL, batch_chunks=3), key=jax.random.key(0))
+    with pytest.raises(LayerConfigError, match="4 examples does not split into batch_chunks=3"):
+        model.loss(jnp.zeros((4, SEQ + 1), jnp.int32))
+
+
+# ---------------------------------------------------------------------------
 # The analytical memory report beside the compiler's.
 
 MEASURED = GPTConfig(vocab_size=1024, d_model=128, n_heads=4, n_layers=4, d_ff=512)

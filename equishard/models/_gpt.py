@@ -74,6 +74,16 @@ class GPTConfig:
       `"minimal_with_context"` (also the attention context).
     - `remat_offload`: keep what `remat` saves in host memory instead (GPU and TPU
       backends; the `minimal` policies).
+    - `batch_chunks`: run the blocks on the local batch in this many equal pieces, one
+      after another: each piece goes through all the layers (a `lax.scan` of its own),
+      forward and then backward. The results are those of one piece (up to the order
+      of the parameter gradients' sums); the activations the layers keep are the same,
+      but the backward pass works on one piece of a layer at a time, so the compiler's
+      temporaries fall. The tensor-parallel collectives run once per piece on a piece
+      each (the same bytes); under FSDP each piece gathers the blocks' parameters again.
+      Not with a pipeline axis (its micro-batches split the batch already) or MoE
+      layers (their auxiliary losses are over the whole batch). The parameters and
+      checkpoints are the same for every value.
     """
 
     vocab_size: int = 256
@@ -93,6 +103,7 @@ class GPTConfig:
     rotary_base: float = 10000.0
     remat: Literal["none", "full", "dots", "minimal", "minimal_with_context"] = "none"
     remat_offload: bool = False
+    batch_chunks: int = 1
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -207,6 +218,18 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
             f"GPT: n_layers={config.n_layers} is not divisible by moe_every={config.moe_every}."
         )
     remat_policy(config.remat, offload=config.remat_offload)  # raises for a bad name
+    if config.batch_chunks < 1:
+        raise LayerConfigError(f"GPT: batch_chunks={config.batch_chunks} must be at least 1.")
+    if config.batch_chunks > 1 and par.pipeline:
+        raise LayerConfigError(
+            f"GPT: batch_chunks={config.batch_chunks} with a pipeline axis: the pipeline's "
+            f"micro-batches split the batch already; use batch_chunks=1."
+        )
+    if config.batch_chunks > 1 and config.moe_every:
+        raise LayerConfigError(
+            f"GPT: batch_chunks={config.batch_chunks} with MoE layers: their auxiliary "
+            f"losses are over the whole batch; use batch_chunks=1."
+        )
     if par.pipeline and config.moe_every:
         raise LayerConfigError(
             "GPT: a mixture-of-experts model cannot run on a pipeline axis (a stage passes "
@@ -378,12 +401,34 @@ class GPT(eqx.Module):
         params, static = eqx.partition(self.units, eqx.is_array)
         call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
 
-        def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
-            unit = drop_leading_axis(eqx.combine(layer, static))
-            return call(unit, x, positions)
+        def blocks(x: Array, params: Any, positions: Array | None) -> tuple[Array, MoEAuxSum]:
+            def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
+                unit = drop_leading_axis(eqx.combine(layer, static))
+                return call(unit, x, positions)
 
-        x, aux = jax.lax.scan(body, x, params)
-        return x, jax.tree.map(lambda a: a.sum(0), aux)
+            x, aux = jax.lax.scan(body, x, params)
+            return x, jax.tree.map(lambda a: a.sum(0), aux)
+
+        chunks = self.config.batch_chunks
+        if chunks == 1:
+            return blocks(x, params, positions)
+        batch = x.shape[0]
+        if batch % chunks:
+            raise LayerConfigError(
+                f"GPT: the local batch of {batch} examples does not split into "
+                f"batch_chunks={chunks} equal pieces."
+            )
+        # Cast once to vary like the activations: the gradients of the parameters
+        # replicated over an axis (the norms' scales; over dp all of them) are then
+        # summed over it once for all the pieces, not once per piece.
+        params = cast_varying(params, varying_axes(x))
+        size = batch // chunks
+        pieces = [slice(i * size, (i + 1) * size) for i in range(chunks)]
+        outs = [
+            blocks(x[p], params, None if positions is None else positions[p])[0] for p in pieces
+        ]
+        # No MoE layers here (`_check`): their statistics are zero.
+        return jnp.concatenate(outs, axis=0), MoEAuxSum.zeros()
 
     def logits(self, h: Array) -> Float[Array, "batch seq vocab_local"]:
         """Logits split over the vocabulary on the tensor axis: `[batch, seq, V/tp]`."""
