@@ -71,7 +71,10 @@ def _compile_report(args: argparse.Namespace, num_devices: int) -> tuple[Any, di
     from .report import gpt_report, preset
 
     # An unknown preset fails before JAX starts.
-    config = dataclasses.replace(preset(args.model), remat=args.remat, remat_offload=args.remat_offload)
+    config = dataclasses.replace(
+        preset(args.model), remat=args.remat, remat_offload=args.remat_offload,
+        batch_chunks=args.batch_chunks,
+    )  # fmt: skip
     layout = _layout(args)
     layout.axes(num_devices)  # a malformed layout too
     devices = _cpu_devices(num_devices)
@@ -254,7 +257,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def add_remat_options(p: argparse.ArgumentParser) -> None:
-    """`--remat` and `--remat-offload` (the reference GPT's `remat`, `remat_offload`)."""
+    """`--remat`, `--remat-offload` and `--batch-chunks` (the reference GPT's `remat`,
+    `remat_offload`, `batch_chunks`)."""
     from .nn._remat import REMAT_POLICIES
 
     p.add_argument(
@@ -266,6 +270,13 @@ def add_remat_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--remat-offload", action="store_true",
         help="keep what --remat saves in host memory (GPU/TPU; not on the CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-chunks", type=int, default=1, metavar="N",
+        help="run the blocks on the local batch in N equal pieces, one after another (the "
+        "same results; the backward pass works on one piece of a layer at a time: fewer "
+        "temporaries, the same bytes on tp; under fsdp each piece gathers the parameters "
+        "again; not with pp or MoE)",
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard._errors import LayerConfigError
 from equishard.models import GPT, GPTConfig
+from equishard.models._gpt import to_single_device
 from equishard.nn import remat_policy
 from equishard.report import gpt_report
 from equishard.report._gpt import abstract_train_step
@@ -207,6 +208,10 @@ def test_batch_chunks_refuse_what_they_cannot_do():
     model = GPT(dataclasses.replace(SMALL, batch_chunks=3), key=jax.random.key(0))
     with pytest.raises(LayerConfigError, match="4 examples does not split into batch_chunks=3"):
         model.loss(jnp.zeros((4, SEQ + 1), jnp.int32))
+    # The one-device copy (export, sampling) runs any batch: one example too.
+    single = to_single_device(model)
+    assert single.config.batch_chunks == 1
+    assert single(jnp.zeros((1, SEQ), jnp.int32)).shape == (1, SEQ, SMALL.vocab_size)
 
 
 # ---------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class TrainConfig:
     pipeline_repeats: int = 1
     remat: str = "none"
     remat_offload: bool = False
+    batch_chunks: int = 1
     pipeline_schedule: str | None = None
     eval_every: int = 50
     eval_batches: int = 8
@@ -148,7 +149,7 @@ def check_options(config: TrainConfig) -> None:
         raise LayerConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}.")
     at_least_one = (
         "steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "eval_every",
-        "eval_batches", "log_every", "keep_checkpoints", "max_skipped_steps",
+        "eval_batches", "log_every", "keep_checkpoints", "max_skipped_steps", "batch_chunks",
     )  # fmt: skip
     for name in at_least_one:
         if getattr(config, name) < 1:
@@ -251,8 +252,9 @@ class Run:
         self.parallelism = self.layout.parallelism(len(devices))
         self.zero = self.layout.zero_axes(len(devices))
         self.model_config = dataclasses.replace(
-            PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload
-        )
+            PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload,
+            batch_chunks=config.batch_chunks,
+        )  # fmt: skip
         self.optimizer = make_optimizer(config)
         self.batch_spec = self.layout.batch_spec(len(devices))
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
@@ -525,9 +527,9 @@ def _write_config(run_dir: pathlib.Path, config: TrainConfig) -> None:
         (run_dir / CONFIG_FILE).write_text(config_toml(config))
 
 
-_NOT_ARCHITECTURE = ("remat", "remat_offload")
+_NOT_ARCHITECTURE = ("remat", "remat_offload", "batch_chunks")
 """`GPTConfig` fields that change how a step runs, not the parameters: a run may resume
-under another rematerialisation policy."""
+under another rematerialisation policy or number of batch pieces."""
 
 
 def _without_remat(model: Any) -> Any:

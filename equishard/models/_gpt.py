@@ -692,9 +692,10 @@ def to_single_device(model: GPT) -> GPT:
 
     **Returns:**
 
-    A `GPT` with `Parallelism()` and the same parameter values.
+    A `GPT` with `Parallelism()` and the same parameter values; its config's
+    `batch_chunks` is 1 (it runs a batch of any size, one example too).
     """
-    config = model.config
+    config = dataclasses.replace(model.config, batch_chunks=1)
     template = eqx.filter_eval_shape(lambda: GPT(config, Parallelism(), key=jax.random.key(0)))
     leaves = [
         *jax.tree.leaves(es_unbox(model.embed)),
