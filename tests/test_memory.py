@@ -150,33 +150,42 @@ def test_remat_policies_refuse_what_they_cannot_do():
 CHUNKS_LAYOUT = Layout("dp=2,tp=4", sequence_parallel=True)
 
 
-def _chunked_run(batch_chunks: int):
+def _chunked_run(batch_chunks: int, optimizer, steps: int):
     config = dataclasses.replace(SMALL, remat="minimal_with_context", batch_chunks=batch_chunks)
     mesh = CHUNKS_LAYOUT.mesh(jax.devices()[:8])
-    adamw = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
     state = init_train_state(
-        lambda k: GPT(config, CHUNKS_LAYOUT.parallelism(8), key=k), adamw, jax.random.key(0), mesh=mesh
+        lambda k: GPT(config, CHUNKS_LAYOUT.parallelism(8), key=k), optimizer, jax.random.key(0), mesh=mesh
     )
     step = make_train_step(
-        lambda m, b, k: m.loss(b, k), adamw, mesh=mesh, batch_spec=CHUNKS_LAYOUT.batch_spec(8)
+        lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=CHUNKS_LAYOUT.batch_spec(8)
     )
+    # The parameters, whole (the models differ in their static config only).
+    params = lambda m: es.unbox(es.gather((m.embed, m.units, m.norm, m.head)))  # noqa: E731
+    before = params(state.model)
     losses = []
-    for i in range(3):
+    for i in range(steps):
         batch = jax.random.randint(jax.random.key(i), (BATCH, SEQ + 1), 0, SMALL.vocab_size)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return state, losses
+    return before, params(state.model), losses
 
 
-def test_batch_chunks_give_the_losses_and_parameters_of_one_piece():
-    reference, ref_losses = _chunked_run(1)
-    state, losses = _chunked_run(2)
-    assert ref_losses[-1] < ref_losses[0]
-    for a, b in zip(losses, ref_losses, strict=True):
+def test_batch_chunks_give_the_losses_and_gradients_of_one_piece():
+    clip_adamw = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
+    _, _, reference = _chunked_run(1, clip_adamw, 3)
+    _, _, losses = _chunked_run(2, clip_adamw, 3)
+    assert reference[-1] < reference[0]
+    for a, b in zip(losses, reference, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (a, b)
-    # The same parameters (the models differ in their static config only).
-    parts = lambda m: (m.embed, m.units, m.norm, m.head)  # noqa: E731
-    assert_tree_allclose(parts(state.model), parts(reference.model))
+    # The gradients: one SGD step of rate 1 moves each parameter by minus its gradient.
+    # (Not AdamW's parameters: its first steps move a parameter by about the rate times
+    # the sign of its gradient, and a gradient at roundoff level may change sign.)
+    sgd = optax.sgd(1.0)
+    grads = {}
+    for chunks in (1, 2):
+        before, after, _ = _chunked_run(chunks, sgd, 1)
+        grads[chunks] = jax.tree.map(jnp.subtract, before, after)
+    assert_tree_allclose(grads[2], grads[1])
 
 
 def test_batch_chunks_send_the_same_bytes_and_hold_fewer_temporaries_on_tp():
