@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config, core as jax_core
 from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
@@ -276,8 +278,14 @@ class _GatherConfig(eqx.Module):
 
 @eqx.filter_custom_vjp
 def _call_regathering(operands: Any, config: _GatherConfig) -> Any:
-    # Forward: gather after the inputs exist, call; nothing gathered is kept.
-    return config.call(operands, operands[1:])
+    # Forward: gather after the inputs exist, call; nothing gathered is kept. Traced as
+    # the forward rule traces it (`_trace_call`), so that under differentiation the
+    # rule finds the trace made here.
+    anchor = _anchor(operands[1:])
+    if anchor is None:
+        return config.call_after(operands, None)
+    traced, flat = _trace_call(operands, anchor, config, leave=True)
+    return _outputs(traced, _replay.run(traced.closed, [anchor, *flat], config.axis_name)[0])
 
 
 class _Traced(eqx.Module):
@@ -288,11 +296,50 @@ class _Traced(eqx.Module):
     out: Any = eqx.field(static=True)  # the outputs' treedef and non-array leaves
 
 
-def _trace_call(operands: Any, anchor: Any, config: _GatherConfig) -> tuple[_Traced, list[Any]]:
+# The primal of `_call_regathering`, traced inside a `scan`'s body, leaves its trace
+# here for the forward rule, which `jax.vjp` calls later on the same types, to take:
+# the call is traced once between them. Taken once, so that each differentiation's
+# forward rule finds the trace its own primal made (a later trace of the same unit, in
+# another step, traces it again).
+_TRACED: OrderedDict[Any, _Traced] = OrderedDict()
+_TRACED_SIZE = 32
+
+
+def _trace_key(config: _GatherConfig, treedef: Any, static: Any, types: tuple[Any, ...]) -> Any:
+    """What decides `_trace_call`'s jaxpr (`None` if some part is not hashable): the
+    operands' structure and non-array leaves, the arrays' types (varying axes
+    included), and the context a trace reads (JAX's trace context, the bound axes' sizes,
+    the mesh), as `jax.jit`'s cache keys on them."""
+    try:
+        static_leaves, static_def = jax.tree.flatten(static)
+        key = (
+            config, treedef, static_def, tuple(static_leaves), types,
+            jax_config.trace_context(), jax_core.get_axis_env(), jax.sharding.get_abstract_mesh(),
+        )  # fmt: skip
+        hash(key)
+        return key
+    except Exception:  # an unhashable static leaf (a list, an array-valued field)
+        return None
+
+
+def _trace_call(
+    operands: Any, anchor: Any, config: _GatherConfig, *, leave: bool = False, take: bool = False
+) -> tuple[_Traced, list[Any]]:
     """The unit's call, its parameters tied to `anchor`, traced to a jaxpr of
-    `(anchor, *arrays)` (the operands' arrays, returned too)."""
+    `(anchor, *arrays)` (the operands' arrays, returned too). With `leave` the trace is
+    left for a later call with `take` on the same types (`_TRACED`)."""
     dynamic, static = eqx.partition(operands, eqx.is_array)
     flat, treedef = jax.tree.flatten(dynamic)
+    key = None
+    if leave or take:
+        key = _trace_key(config, treedef, static, tuple(jax.typeof(x) for x in (anchor, *flat)))
+    if take and key is not None:
+        try:
+            traced = _TRACED.pop(key, None)
+        except Exception:  # a static leaf whose `==` raises
+            traced = None
+        if traced is not None:
+            return traced, flat
     out_static = []
 
     def call(anchor: Any, *flat: Any) -> Any:
@@ -303,6 +350,14 @@ def _trace_call(operands: Any, anchor: Any, config: _GatherConfig) -> tuple[_Tra
 
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(anchor, *flat)
     traced = _Traced(closed, (treedef, static), (jax.tree.structure(out_shape), out_static[0]))
+    # A jaxpr that closes over a trace's values is not left for another trace.
+    if leave and key is not None and not any(isinstance(c, jax_core.Tracer) for c in closed.consts):
+        try:
+            _TRACED[key] = traced
+        except Exception:  # a static leaf whose `==` raises
+            pass
+        while len(_TRACED) > _TRACED_SIZE:
+            _TRACED.popitem(last=False)
     return traced, flat
 
 
@@ -320,7 +375,7 @@ def _call_regathering_fwd(perturbed: Any, operands: Any, config: _GatherConfig) 
     # As a `jax.checkpoint` keeping those collectives would, under `jax.vjp`, without
     # linearising the call here (see `_replay`).
     anchor = _anchor(operands[1:])
-    traced, flat = _trace_call(operands, anchor, config) if anchor is not None else (None, [])
+    traced, flat = _trace_call(operands, anchor, config, take=True) if anchor is not None else (None, [])
     if traced is None or not _replay.replayable(traced.closed.jaxpr, config.axis_name):
         # A collective to keep that `_replay` does not replay (one inside a nested
         # jaxpr, a `pmax`), or no input to wait for: the checkpoint keeps it.
