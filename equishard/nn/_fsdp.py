@@ -236,12 +236,21 @@ def _anchor(anchor_tree: PyTree) -> Any:
     return jax.lax.stop_gradient(leaves[0].ravel()[0]) if leaves else None
 
 
-def _tied_to(tree: PyTree, anchor: Any, *, unboxed: bool = False) -> PyTree:
-    """`_after` with the anchor given: `tree` made to wait for the scalar `anchor`."""
+def _tied_to(tree: PyTree, anchor: Any, *, unboxed: bool = False, widen: bool = True) -> PyTree:
+    """`_after` with the anchor given: `tree` made to wait for the scalar `anchor`.
+
+    With `widen=False` only the arrays that already vary over the anchor's axes are tied,
+    so that no array changes its type (a jaxpr traced on the untied types still applies).
+    """
+    anchor_axes = varying_axes(anchor) if not widen else set()
 
     def tied(leaf: Any) -> bool:
         value = leaf.value if is_sharded(leaf) else leaf
-        return eqx.is_inexact_array(value) and (unboxed or is_sharded(leaf))
+        return (
+            eqx.is_inexact_array(value)
+            and (unboxed or is_sharded(leaf))
+            and (widen or set(anchor_axes) <= set(varying_axes(value)))
+        )
 
     flat, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
     chosen = [i for i, leaf in enumerate(flat) if tied(leaf)]
@@ -415,17 +424,18 @@ def _call_regathering_bwd(
     if isinstance(saved, tuple) and isinstance(saved[0], _Traced):
         traced, kept = saved
         # The recomputation waits for the cotangent: its parameters' gathers (tied to
-        # `anchor` in the jaxpr), its inputs and the kept outputs.
+        # `anchor` in the jaxpr), its inputs and the kept outputs (those that vary as the
+        # cotangent does: the jaxpr was traced on their types).
         anchor = _anchor(grad_out)
         anchor = _anchor(cotangent) if anchor is None else anchor
         if jax.typeof(anchor) != traced.closed.in_avals[0]:
             # Not the input's type (another dtype, other varying axes): trace again.
             traced = _trace_call(operands, anchor, config)[0]
-        kept = _tied_to(kept, anchor, unboxed=True)
+        kept = _tied_to(kept, anchor, unboxed=True, widen=False)
 
         def call(ops: Any) -> Any:
             module, args, kwargs = ops
-            ops = (module, *_tied_to((args, kwargs), anchor, unboxed=True))
+            ops = (module, *_tied_to((args, kwargs), anchor, unboxed=True, widen=False))
             flat = jax.tree.leaves(eqx.filter(ops, eqx.is_array))
             return _outputs(traced, _replay.replay(traced.closed, [anchor, *flat], config.axis_name, kept))
 

@@ -20,10 +20,13 @@ jaxpr, a `pmax`), where the caller uses the checkpoint instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax._src import core, source_info_util
+from jax.custom_derivatives import SymbolicZero
 
 from ._remat import COLLECTIVES, _collective_axes
 
@@ -48,9 +51,13 @@ def _has_kept(jaxpr: core.Jaxpr, axis_name: str) -> bool:
 
 def replayable(jaxpr: core.Jaxpr, axis_name: str) -> bool:
     """Whether every collective of `jaxpr` not over `axis_name` is a linear one at its top
-    level (`run` keeps them all, `replay` replays them all)."""
+    level, of floating operands or of none (`run` keeps them all, `replay` replays them
+    all)."""
     for eqn in jaxpr.eqns:
-        if _kept(eqn, axis_name) and eqn.primitive.name not in _LINEAR:
+        if _kept(eqn, axis_name) and (
+            eqn.primitive.name not in _LINEAR
+            or len({jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars}) > 1
+        ):
             return False
         if any(_has_kept(sub, axis_name) for sub in core.jaxprs_in_params(eqn.params)):
             return False
@@ -66,10 +73,17 @@ def _replayed(eqn: core.JaxprEqn, params: dict[str, Any]) -> Callable[..., Any]:
         del operands
         return outputs
 
-    @replayed.defjvp
+    @partial(replayed.defjvp, symbolic_zeros=True)
     def _jvp(primals: Any, tangents: Any) -> Any:
         outputs, *_ = primals
         _, *dx = tangents
+        many = eqn.primitive.multiple_results
+        if all(isinstance(t, SymbolicZero) for t in dx):
+            # Operands that do not depend on what is differentiated: a zero tangent, and
+            # nothing sent (as the checkpoint's symbolic zero would send nothing).
+            zeros = [SymbolicZero(core.typeof(o).to_tangent_aval()) for o in (outputs if many else [outputs])]
+            return outputs, zeros if many else zeros[0]
+        dx = [jnp.zeros(t.aval.shape, t.aval.dtype) if isinstance(t, SymbolicZero) else t for t in dx]
         # A linear collective: its tangent is itself applied to the tangents.
         return outputs, eqn.primitive.bind(*dx, **params)
 
@@ -96,7 +110,7 @@ def _evaluate(closed: core.ClosedJaxpr, args: Sequence[Any], axis_name: str, kep
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             if replays is not None and _kept(eqn, axis_name):
                 out = next(replays)
-                if any(jax.dtypes.issubdtype(x.dtype, jax.numpy.inexact) for x in operands):
+                if any(jnp.issubdtype(x.dtype, jnp.inexact) for x in operands):
                     out = _replayed(eqn, params)(out, *operands)
             else:
                 out = eqn.primitive.bind(*operands, **params)
