@@ -42,6 +42,14 @@ def _kept(eqn: core.JaxprEqn, axis_name: str) -> bool:
     return eqn.primitive.name in COLLECTIVES and axis_name not in _collective_axes(eqn.params)
 
 
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _zeros(aval: Any) -> Any:
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
 def _has_kept(jaxpr: core.Jaxpr, axis_name: str) -> bool:
     return any(
         _kept(eqn, axis_name) or any(_has_kept(sub, axis_name) for sub in core.jaxprs_in_params(eqn.params))
@@ -56,7 +64,7 @@ def replayable(jaxpr: core.Jaxpr, axis_name: str) -> bool:
     for eqn in jaxpr.eqns:
         if _kept(eqn, axis_name) and (
             eqn.primitive.name not in _LINEAR
-            or len({jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars}) > 1
+            or len({_inexact(v.aval) for v in eqn.invars}) > 1
         ):
             return False
         if any(_has_kept(sub, axis_name) for sub in core.jaxprs_in_params(eqn.params)):
@@ -83,7 +91,7 @@ def _replayed(eqn: core.JaxprEqn, params: dict[str, Any]) -> Callable[..., Any]:
             # nothing sent (as the checkpoint's symbolic zero would send nothing).
             zeros = [SymbolicZero(core.typeof(o).to_tangent_aval()) for o in (outputs if many else [outputs])]
             return outputs, zeros if many else zeros[0]
-        dx = [jnp.zeros(t.aval.shape, t.aval.dtype) if isinstance(t, SymbolicZero) else t for t in dx]
+        dx = [_zeros(t.aval) if isinstance(t, SymbolicZero) else t for t in dx]
         # A linear collective: its tangent is itself applied to the tangents.
         return outputs, eqn.primitive.bind(*dx, **params)
 
