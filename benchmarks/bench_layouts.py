@@ -736,9 +736,14 @@ def lowering_markdown() -> list[str]:
         f"Trace + lower: **{o['ratio']:.2f}x** the older commit's (target at most 0.6x). The older "
         "train step traced its body twice (once more under `eval_shape`, to learn the "
         "`shard_map`'s output specs); this one passes the parameters' specs and traces once. "
-        "Most of what remains is JAX's work on the FSDP unit's checkpointed call (the block "
-        "traced, its JVP and partial evaluations in the forward and backward passes, the "
-        "scan's hoisting) and the lowering of every equation; equishard's own Python (spec "
+        "The FSDP unit no longer linearises and transposes a `jax.checkpoint`: the block is "
+        "traced once for its primal and its forward rule, which runs it keeping its other "
+        "collectives' outputs, and the backward rule differentiates it with those outputs "
+        "replayed (`jvp` and `linear_transpose`); the optimizer's update, called twice by the "
+        "non-finite guard, is traced and lowered once. Most of what remains is JAX's work: "
+        "the block traced, the scan's linearisation, hoisting and transpose, and the lowering "
+        "of every equation (a little longer than the older commit's: a tenth more equations, "
+        "the recomputation's results it does not use among them); equishard's own Python (spec "
         "walks, boxes, placement) is a few per cent of it.",
         "",
     ]

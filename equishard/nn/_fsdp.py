@@ -6,12 +6,13 @@ pass instead of being kept alive from the forward pass. Under equishard's gradie
 convention the transpose of each all-gather is a reduce-scatter, so gradients come out
 split like their parameters and equal to the single-device gradients.
 
-The re-gather is a custom VJP around a `jax.checkpoint`: both forward and backward
+The re-gather is a custom VJP that recomputes the layer in its backward pass, as a
+`jax.checkpoint` would: both forward and backward
 gathers are tied by a data dependency to the layer's input (forward) or output
 cotangent (backward), so that no scheduler can hoist them and hold every layer's
 parameters whole at once. (With a checkpoint policy alone, XLA:CPU issues all the
 gathers at the start of the step, and merges the backward's with the forward's.) The
-checkpoint inside keeps the outputs of the layer's other collectives (a
+forward keeps the outputs of the layer's other collectives (a
 tensor-parallel all-reduce, an expert all-to-all), so that the recomputation in the
 backward pass sends nothing but the FSDP gathers.
 """
@@ -21,12 +22,14 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config, core as jax_core
 from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
@@ -45,6 +48,7 @@ from ..sharding._fsdp import (
 )
 from ..sharding._rules import map_modules
 from ..sharding._specs import is_array_like, spec_axes
+from . import _replay
 from ._remat import save_collectives_except
 
 
@@ -221,14 +225,32 @@ def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTre
     times zero (it could be NaN). The result varies over the axes the anchor varies
     over, as the parameter would at its first use with that input anyway.
     """
+    anchor = _anchor(anchor_tree)
+    return tree if anchor is None else _tied_to(tree, anchor, unboxed=unboxed)
+
+
+def _anchor(anchor_tree: PyTree) -> Any:
+    """One element of the first array of `anchor_tree`, gradient stopped (`None` if it
+    has none): what `_after` ties to."""
     leaves = [x for x in jax.tree.leaves(anchor_tree) if eqx.is_array(x) and x.size]
-    if not leaves:
-        return tree
-    anchor = jax.lax.stop_gradient(leaves[0].ravel()[0])
+    return jax.lax.stop_gradient(leaves[0].ravel()[0]) if leaves else None
+
+
+def _tied_to(tree: PyTree, anchor: Any, *, unboxed: bool = False, widen: bool = True) -> PyTree:
+    """`_after` with the anchor given: `tree` made to wait for the scalar `anchor`.
+
+    With `widen=False` only the arrays that already vary over the anchor's axes are tied,
+    so that no array changes its type (a jaxpr traced on the untied types still applies).
+    """
+    anchor_axes = varying_axes(anchor) if not widen else set()
 
     def tied(leaf: Any) -> bool:
         value = leaf.value if is_sharded(leaf) else leaf
-        return eqx.is_inexact_array(value) and (unboxed or is_sharded(leaf))
+        return (
+            eqx.is_inexact_array(value)
+            and (unboxed or is_sharded(leaf))
+            and (widen or set(anchor_axes) <= set(varying_axes(value)))
+        )
 
     flat, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
     chosen = [i for i, leaf in enumerate(flat) if tied(leaf)]
@@ -248,9 +270,13 @@ class _GatherConfig(eqx.Module):
 
     def call(self, operands: Any, anchor: Any) -> Any:
         """Gather the module's parameters once `anchor` exists, then call it."""
+        return self.call_after(operands, _anchor(anchor))
+
+    def call_after(self, operands: Any, anchor: Any) -> Any:
+        """`call`, with the scalar `anchor` (`_anchor`'s) given (or `None`: no wait)."""
         module, args, kwargs = operands
         module = fsdp_gather_params(
-            _after(module, anchor),
+            module if anchor is None else _tied_to(module, anchor),
             self.axis_name,
             self.gather_dtype,
             self.grad_scatter_dtype,
@@ -261,38 +287,133 @@ class _GatherConfig(eqx.Module):
 
 @eqx.filter_custom_vjp
 def _call_regathering(operands: Any, config: _GatherConfig) -> Any:
-    # Forward: gather after the inputs exist, call; nothing gathered is kept.
-    return config.call(operands, operands[1:])
+    # Forward: gather after the inputs exist, call; nothing gathered is kept. Traced as
+    # the forward rule traces it (`_trace_call`), so that under differentiation the
+    # rule finds the trace made here.
+    anchor = _anchor(operands[1:])
+    if anchor is None:
+        return config.call_after(operands, None)
+    traced, flat = _trace_call(operands, anchor, config, leave=True)
+    return _outputs(traced, _replay.run(traced.closed, [anchor, *flat], config.axis_name)[0])
+
+
+class _Traced(eqx.Module):
+    """The unit's call as its forward pass traced it, for the backward pass to replay."""
+
+    closed: Any = eqx.field(static=True)  # the call's ClosedJaxpr, on the operands' arrays
+    operands: Any = eqx.field(static=True)  # the operands' treedef and non-array leaves
+    out: Any = eqx.field(static=True)  # the outputs' treedef and non-array leaves
+
+
+# The primal of `_call_regathering`, traced inside a `scan`'s body, leaves its trace
+# here for the forward rule, which `jax.vjp` calls later on the same types, to take:
+# the call is traced once between them. Taken once, so that each differentiation's
+# forward rule finds the trace its own primal made (a later trace of the same unit, in
+# another step, traces it again).
+_TRACED: OrderedDict[Any, _Traced] = OrderedDict()
+_TRACED_SIZE = 32
+
+
+def _trace_key(config: _GatherConfig, treedef: Any, static: Any, types: tuple[Any, ...]) -> Any:
+    """What decides `_trace_call`'s jaxpr (`None` if some part is not hashable): the
+    operands' structure and non-array leaves, the arrays' types (varying axes
+    included), and the context a trace reads (JAX's trace context, the bound axes' sizes,
+    the mesh), as `jax.jit`'s cache keys on them."""
+    try:
+        static_leaves, static_def = jax.tree.flatten(static)
+        key = (
+            config, treedef, static_def, tuple(static_leaves), types,
+            jax_config.trace_context(), jax_core.get_axis_env(), jax.sharding.get_abstract_mesh(),
+        )  # fmt: skip
+        hash(key)
+        return key
+    except Exception:  # an unhashable static leaf (a list, an array-valued field)
+        return None
+
+
+def _trace_call(
+    operands: Any, anchor: Any, config: _GatherConfig, *, leave: bool = False, take: bool = False
+) -> tuple[_Traced, list[Any]]:
+    """The unit's call, its parameters tied to `anchor`, traced to a jaxpr of
+    `(anchor, *arrays)` (the operands' arrays, returned too). With `leave` the trace is
+    left for a later call with `take` on the same types (`_TRACED`)."""
+    dynamic, static = eqx.partition(operands, eqx.is_array)
+    flat, treedef = jax.tree.flatten(dynamic)
+    key = None
+    if leave or take:
+        key = _trace_key(config, treedef, static, tuple(jax.typeof(x) for x in (anchor, *flat)))
+    if take and key is not None:
+        try:
+            traced = _TRACED.pop(key, None)
+        except Exception:  # a static leaf whose `==` raises
+            traced = None
+        if traced is not None:
+            return traced, flat
+    out_static = []
+
+    def call(anchor: Any, *flat: Any) -> Any:
+        ops = eqx.combine(jax.tree.unflatten(treedef, flat), static)
+        out_dynamic, out_nonarray = eqx.partition(config.call_after(ops, anchor), eqx.is_array)
+        out_static.append(out_nonarray)
+        return out_dynamic
+
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(anchor, *flat)
+    traced = _Traced(closed, (treedef, static), (jax.tree.structure(out_shape), out_static[0]))
+    # A jaxpr that closes over a trace's values is not left for another trace.
+    if leave and key is not None and not any(isinstance(c, jax_core.Tracer) for c in closed.consts):
+        try:
+            _TRACED[key] = traced
+        except Exception:  # a static leaf whose `==` raises
+            pass
+        while len(_TRACED) > _TRACED_SIZE:
+            _TRACED.popitem(last=False)
+    return traced, flat
+
+
+def _outputs(traced: _Traced, flat_out: list[Any]) -> Any:
+    treedef, static = traced.out
+    return eqx.combine(jax.tree.unflatten(treedef, flat_out), static)
 
 
 @_call_regathering.def_fwd
 def _call_regathering_fwd(perturbed: Any, operands: Any, config: _GatherConfig) -> Any:
     del perturbed
-    # Linearise a checkpointed call: its residuals are the operands (parameters still
-    # split) and the outputs of the unit's other collectives; everything else,
-    # the gathered parameters first, is recomputed in the backward pass.
-    call = eqx.filter_checkpoint(
-        lambda ops: config.call(ops, ops[1:]), policy=save_collectives_except(config.axis_name)
-    )
-    out, vjp = eqx.filter_vjp(call, operands)
-    shapes = jax.tree.map(
+    # The call, traced once and run: its residuals are the operands (parameters still
+    # split, kept by `filter_custom_vjp`) and the outputs of the unit's other collectives;
+    # everything else, the gathered parameters first, is recomputed in the backward pass.
+    # As a `jax.checkpoint` keeping those collectives would, under `jax.vjp`, without
+    # linearising the call here (see `_replay`).
+    anchor = _anchor(operands[1:])
+    traced, flat = _trace_call(operands, anchor, config, take=True) if anchor is not None else (None, [])
+    if traced is None or not _replay.replayable(traced.closed.jaxpr, config.axis_name):
+        # A collective to keep that `_replay` does not replay (one inside a nested
+        # jaxpr, a `pmax`), or no input to wait for: the checkpoint keeps it.
+        call = eqx.filter_checkpoint(
+            lambda ops: config.call(ops, ops[1:]), policy=save_collectives_except(config.axis_name)
+        )
+        out, vjp = eqx.filter_vjp(call, operands)
+        return out, (vjp, _shapes(out))
+    flat_out, kept = _replay.run(traced.closed, [anchor, *flat], config.axis_name)
+    out = _outputs(traced, flat_out)
+    return out, ((traced, kept), _shapes(out))
+
+
+def _shapes(out: Any) -> Any:
+    return jax.tree.map(
         lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype) if eqx.is_inexact_array(o) else None,
         out,
     )
-    return out, (vjp, shapes)
 
 
 @_call_regathering.def_bwd
 def _call_regathering_bwd(
     residuals: Any, grad_out: Any, perturbed: Any, operands: Any, config: _GatherConfig
 ) -> Any:
-    del operands
     # Backward: gather again — only once this layer's output cotangent exists, so the
     # gathers follow the backward pass layer by layer — and differentiate the call.
     # Tying the residuals to the cotangent delays the recomputation (and its gathers)
     # until then. The all-gather's transpose reduce-scatters the parameters' gradients.
-    vjp, shapes = residuals
-    vjp = _after(vjp, grad_out, unboxed=True)
+    saved, shapes = residuals
     # Outputs that were not differentiated get a zero cotangent (integers none).
     cotangent = jax.tree.map(
         lambda g, o: jnp.zeros(o.shape, o.dtype) if g is None and o is not None else g,
@@ -300,6 +421,35 @@ def _call_regathering_bwd(
         shapes,
         is_leaf=lambda g: g is None,
     )
+    if isinstance(saved, tuple) and isinstance(saved[0], _Traced):
+        traced, kept = saved
+        # The recomputation waits for the cotangent: its parameters' gathers (tied to
+        # `anchor` in the jaxpr), its inputs and the kept outputs (those that vary as the
+        # cotangent does: the jaxpr was traced on their types).
+        anchor = _anchor(grad_out)
+        anchor = _anchor(cotangent) if anchor is None else anchor
+        if jax.typeof(anchor) != traced.closed.in_avals[0]:
+            # Not the input's type (another dtype, other varying axes): trace again.
+            traced = _trace_call(operands, anchor, config)[0]
+        kept = _tied_to(kept, anchor, unboxed=True, widen=False)
+
+        def call(ops: Any) -> Any:
+            module, args, kwargs = ops
+            ops = (module, *_tied_to((args, kwargs), anchor, unboxed=True, widen=False))
+            flat = jax.tree.leaves(eqx.filter(ops, eqx.is_array))
+            return _outputs(traced, _replay.replay(traced.closed, [anchor, *flat], config.axis_name, kept))
+
+        diff, nondiff = eqx.partition(operands, eqx.is_inexact_array)
+
+        def differentiable(diff: Any) -> Any:
+            return eqx.filter(call(eqx.combine(diff, nondiff)), eqx.is_inexact_array)
+
+        def tangent(t: Any) -> Any:
+            return jax.jvp(differentiable, (diff,), (t,))[1]
+
+        vjp = jax.linear_transpose(tangent, diff)
+    else:
+        vjp = _after(saved, grad_out, unboxed=True)
     (grads,) = vjp(cotangent)
     return jax.tree.map(
         lambda g, p: g if p else None, grads, perturbed, is_leaf=lambda g: g is None

@@ -206,9 +206,9 @@ def _invariant_over(tree: PyTree, axes: tuple[str, ...]) -> bool:
 
 
 def _apply_if(
-    ok: Array, optimizer: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, model: PyTree
+    ok: Array, update: Callable[..., Any], grads: PyTree, opt_state: PyTree, model: PyTree
 ) -> tuple[PyTree, PyTree]:
-    """`(model, opt_state)` after `optimizer`'s update if `ok`, else both unchanged.
+    """`(model, opt_state)` after the optimizer's `update` if `ok`, else both unchanged.
 
     A `lax.cond`, not a select of new and old: the update reads each old moment once,
     for its new value, and writes it in place. Selected, the moment would be read by two
@@ -220,7 +220,7 @@ def _apply_if(
 
     def apply(operands: Any) -> Any:
         grads, opt_state, arrays = operands
-        updates, opt_state = optimizer.update(grads, opt_state, arrays)
+        updates, opt_state = update(grads, opt_state, arrays)
         return eqx.apply_updates(arrays, updates), opt_state
 
     def keep(operands: Any) -> Any:
@@ -361,15 +361,27 @@ def _zero_gradient(grad: Any, pending: Any, zero: PyTree, zaxes: tuple[str, ...]
     return value
 
 
+def _traced_once(update: Callable[..., Any]) -> Callable[..., Any]:
+    """`update` under `jax.jit`, so that the step's two calls of it trace it once.
+
+    The step calls the optimizer's update twice on arguments of the same shapes (see
+    `train_step`): under one `jax.jit` the second call reuses the first one's jaxpr and
+    its lowering (two calls of one function in the StableHLO, which XLA inlines; the
+    compiled step is the same), where two plain calls would trace and lower the optax
+    transforms twice. optax's updates are pure functions of arrays, as `jax.jit` needs.
+    """
+    return jax.jit(update)
+
+
 def _first_update(
-    optimizer: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree,
-    zaxes: tuple[str, ...],
+    optimizer: optax.GradientTransformation, update: Callable[..., Any], grads: PyTree,
+    opt_state: PyTree, params: PyTree, zaxes: tuple[str, ...],
 ) -> PyTree:
-    """`optimizer.update(...)`'s updates. If optax fails and the state's tree (its boxes'
+    """`update(...)`'s updates (`optimizer`'s, traced once). If optax fails and the state's tree (its boxes'
     specs included) is not the one `optimizer.init` builds for the parameters as the
     update sees them, the error names the likely cause (ZeRO on one side only)."""
     try:
-        return optimizer.update(grads, opt_state, params)[0]
+        return update(grads, opt_state, params)[0]
     except (ValueError, TypeError) as err:
         expected = jax.eval_shape(optimizer.init, params)
         if jax.tree.structure(expected) == jax.tree.structure(opt_state):
@@ -493,6 +505,7 @@ def make_train_step(
     with_index = _takes_index(loss_fn)
     batch_axis = _batch_axis(batch_spec) if with_index else None
     all_finite = _all_finite(mesh)
+    update = _traced_once(optimizer.update)
 
     def loss_with_key(model: PyTree, micro: PyTree, key: PRNGKeyArray, index: Any) -> Any:
         if with_index:
@@ -642,9 +655,9 @@ def make_train_step(
         # neither merges the two nor keeps the first), no update outlives its fusion:
         # the step holds the gradients, not also a parameter-sized update and new
         # moments at once.
-        checked = _first_update(optimizer, grads, state.opt_state, params, zaxes)
+        checked = _first_update(optimizer, update, grads, state.opt_state, params, zaxes)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(checked)
-        model, opt_state = _apply_if(ok, optimizer, grads, state.opt_state, old_model)
+        model, opt_state = _apply_if(ok, update, grads, state.opt_state, old_model)
         if zaxes:
             # The updated shards, then (by `shard` below) all-gathered once.
             model = _with_specs_of(shard(model, mesh), state.model)
