@@ -223,6 +223,37 @@ def test_fsdp_wraps_an_unmodified_equinox_module():
     assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
 
 
+class _ScannedLayers(eqx.Module):
+    """A user's module that scans its own layers (`jax.nn.silu` is a nested `jit`)."""
+
+    weights: jax.Array  # [L, D, D]
+
+    def __call__(self, x):
+        def layer(h, w):
+            return jax.nn.silu(h @ w), None
+
+        return jax.lax.scan(layer, x, self.weights)[0]
+
+
+def test_fsdp_unit_with_a_scan_inside_equals_single_device():
+    """The unit's backward pass differentiates what it recomputes; a scan over the
+    parameters inside it (its JVP a scan of primals and tangents together) gives the
+    one-device gradients as a plain block does."""
+    mesh = es.make_mesh("fsdp=8")
+    plain = _ScannedLayers(jax.random.normal(jax.random.key(5), (3, 16, 16)) / 4)
+    wrapped = es.sharded_init(lambda k: FSDP(plain, "fsdp", min_weight_size=0), jax.random.key(0), mesh=mesh)
+    x = jax.random.normal(jax.random.key(6), (32, 16))
+
+    def loss(m, x):
+        return jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "fsdp")
+
+    sharded = es.filter_shard_map(loss, mesh=mesh, in_specs=(None, P("fsdp")), out_specs=P())
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(wrapped, x)
+    ref_value, ref_grads = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(plain, x)
+    assert_tree_allclose(value, ref_value)
+    assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
+
+
 # ------------------------------------------------------------------------ shard_params
 
 
