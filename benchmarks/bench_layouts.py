@@ -583,6 +583,7 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
         *pipeline_markdown(),
         *memory_markdown(),
         NOTES,
+        LONG_CONTEXT,
     ]
     return "\n".join(lines) + "\n"
 
@@ -606,7 +607,10 @@ def pipeline_markdown() -> list[str]:
         "(fixed), one forward+backward program of the pipeline and a head "
         "(`PipelineModule.loss`). Per device: temporaries (`memory_analysis`) and "
         "activations, the part of the temporaries that grows with the micro-batch "
-        "(`temp(2b) − temp(b)`; the parameter-sized buffers cancel).",
+        "(`temp(2b) − temp(b)`; the parameter-sized buffers cancel). The circular rows were "
+        "measured at commit 94c5cf0 (`ONLY=circular python benchmarks/bench_pipeline.py "
+        "--microbatches 16,32`), the others before; circular holds `R M` micro-batches of "
+        "`1/R` of a stage each, so its activations grow with `M` as GPipe's do.",
         "",
         "| schedule | M | temp MiB | activations MiB | / GPipe's | bubble | peak in flight |",
         "|---|---:|---:|---:|---:|---:|---|",
@@ -647,11 +651,16 @@ def pipeline_markdown() -> list[str]:
             f"`{g['layout']}`, {g['schedule']}, M = {g['microbatches']}, read with the "
             f"schedule's weights (`read_collectives(..., weights=schedule_weights(table, "
             f"device))`): {per} MiB per device on the stage devices, "
-            f"{g['over_ideal']:.3f}x the textbook {g['ideal_bytes'] / MIB:.2f} MiB "
-            f"(GPipe: 1.057x). Unweighted — every branch of every conditional counted on "
-            f"every step — the reader would say {g['unweighted_bytes'] / MIB:.2f} MiB. Below "
-            "the textbook because only the first stage runs the embedding and only the last "
-            "the head and loss (GPipe runs both on every stage).",
+            f"{g['over_ideal']:.3f}x the textbook figure of the last stage's device, "
+            f"{g['ideal_bytes'] / MIB:.2f} MiB (GPipe: 1.057x its own). Unweighted — every "
+            "branch of every conditional counted on every step — the reader would say "
+            f"{g['unweighted_bytes'] / MIB:.2f} MiB. The textbook figure counts what 1F1B runs "
+            "where — the embedding on the first stage only, the head and loss on the last only "
+            "(GPipe runs both on every stage), the embedding's gradient summed over the stages "
+            "instead of the pipeline input's (`equishard.report`'s module documentation, "
+            '"Explicit schedules"); counted as for GPipe, as before commit 29d7575, the same '
+            "bytes read 0.894x a textbook of 17.64 MiB. Re-measured at 29d7575 "
+            "(`python benchmarks/bench_pipeline.py --bytes`).",
         ]
     return [*lines, ""]
 
@@ -693,8 +702,8 @@ def overhead_markdown() -> list[str]:
         "Targets: at most 1.05 on one device, 1.03 on `dp=8`. The baselines run the same "
         "update, clipping and non-finite guard as equishard's step (loss, gradient norm and "
         "every update finite). equishard computes the update twice, once for the guard to "
-        "read and once, behind an optimization barrier, to apply, so that no parameter-sized "
-        "update is held beside the gradients (see the memory sections): that is the flops "
+        "read and once more, inside the branch of a `lax.cond` that applies it, so that no "
+        "parameter-sized update is held beside the gradients (see the memory sections): that is the flops "
         "column's excess, largest on `dp=8`, where every device updates every parameter. "
         "The collective bytes on `dp=8` are equal "
         f"({dp8['equishard_bytes'] / MIB:.2f} MiB against {dp8['baseline_bytes'] / MIB:.2f} MiB: "
@@ -773,8 +782,8 @@ NOTES = """## Notes
   in `equishard.report`'s documentation, not constants fitted to the measurement.
 - **FSDP with tensor parallelism** sends exactly the textbook bytes: FSDP's re-gather
   recomputes each unit's forward in the backward pass but keeps the outputs of the
-  unit's tensor-parallel all-reduces (a `jax.checkpoint` policy inside the re-gathering
-  custom VJP), so they are not sent twice.
+  unit's tensor-parallel all-reduces (its forward rule keeps them, and the backward
+  rule replays them in the recomputation it differentiates), so they are not sent twice.
 - **GSPMD's bytes** are what XLA's partitioner chose for the same annotations (the
   parameters' specs and the batch's, no constraints on activations, as a plain `jax.jit`
   user writes them). Where a weight is split over `fsdp` along a dimension that is not
@@ -787,6 +796,30 @@ NOTES = """## Notes
   collectives synchronously and all eight "devices" compete for the same cores, so the
   times measure partitioning and bookkeeping overhead, not interconnect time.
 """
+
+# Measured by hand (`equishard plan`), not by this script: kept in every regeneration.
+LONG_CONTEXT = """## Long context: planning Llama 3 8B at 128 K tokens
+
+`equishard plan --model llama3-8b --layout fsdp=8,cp=8 --seq-len 131072 --devices 64`
+(ring attention, zigzag split, batch 8 x 131,072 tokens, float32, AdamW) on this
+machine's simulated CPU devices (2 cores shared with other work, so times are
+pessimistic):
+
+| remat | tracing | compiling | collectives per device per step | minimum | peak per device (CPU compiler) | analytical estimate |
+|---|---|---|---|---|---|---|
+| none | 1.7 s | 12.4 s | 169.66 GiB | 169.66 GiB (ratio 1.000) | 79.23 GiB | 53.25 GiB |
+| full | 8.4 s | 33.3 s | 198.55 GiB | 169.66 GiB (ratio 1.170: the recomputed forward rings again) | 51.23 GiB | 53.25 GiB |
+
+The step compiles and the collectives are exactly the analytical minimum without
+remat; by the CPU compiler's estimate it fits an 80 GiB device (99 %) without remat
+and with 29 GiB to spare under full remat. (Measured at commit cbf79dd plus the
+estimate's blockwise scores; the earlier figures, 448.16 GiB and 419.28 GiB peaks
+after 72.7 s and 42.4 s of compiling, came from the blockwise kernel's loops being
+scans: inside the layers' scan JAX's partial evaluation hoisted every block pair's
+mask out of it, `O(S^2)` per layer. The kernel's loops are while loops now.) The
+analytical estimate (`equishard.report.gpt_memory`) counts one block of scores per
+sequence, as the blockwise kernel holds; it was 565 GiB when it counted the whole
+`[t, S]` score matrix. The minimum does not yet count full remat's second forward ring."""
 
 
 def main() -> None:
