@@ -201,6 +201,20 @@ def test_fsdp_training_equals_single_device(layout, convention):
     assert_tree_allclose(got, [es.unbox(b.module) for b in reference[-1][2].blocks])
 
 
+def _assert_unit_equals_plain(wrapped, plain, x, mesh):
+    """`wrapped` (an FSDP unit over "fsdp") gives `plain`'s mean-square loss and
+    gradients on the examples `x`, split over "fsdp"."""
+
+    def loss(m, x):
+        return jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "fsdp")
+
+    sharded = es.filter_shard_map(loss, mesh=mesh, in_specs=(None, P("fsdp")), out_specs=P())
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(wrapped, x)
+    ref_value, ref_grads = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(plain, x)
+    assert_tree_allclose(value, ref_value)
+    assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
+
+
 def test_fsdp_wraps_an_unmodified_equinox_module():
     """An eqx.nn.MLP, which knows nothing of equishard, fully sharded by one call."""
     mesh = es.make_mesh("fsdp=8")
@@ -213,14 +227,7 @@ def test_fsdp_wraps_an_unmodified_equinox_module():
     assert wrapped.module.layers[0].weight.spec == P("fsdp", None)  # [64, 16]: 64 is larger
     x = jax.random.normal(jax.random.key(4), (32, 16))
 
-    def loss(m, x):
-        return jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "fsdp")
-
-    sharded = es.filter_shard_map(loss, mesh=mesh, in_specs=(None, P("fsdp")), out_specs=P())
-    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(wrapped, x)
-    ref_value, ref_grads = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(mlp, x)
-    assert_tree_allclose(value, ref_value)
-    assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
+    _assert_unit_equals_plain(wrapped, mlp, x, mesh)
 
 
 class _ScannedLayers(eqx.Module):
@@ -235,23 +242,17 @@ class _ScannedLayers(eqx.Module):
         return jax.lax.scan(layer, x, self.weights)[0]
 
 
-def test_fsdp_unit_with_a_scan_inside_equals_single_device():
+@pytest.mark.parametrize("layout", ["fsdp=2", "fsdp=8"])
+def test_fsdp_unit_with_a_scan_inside_equals_single_device(layout):
     """The unit's backward pass differentiates what it recomputes; a scan over the
     parameters inside it (its JVP a scan of primals and tangents together) gives the
     one-device gradients as a plain block does."""
-    mesh = es.make_mesh("fsdp=8")
+    mesh = es.make_mesh(layout)
     plain = _ScannedLayers(jax.random.normal(jax.random.key(5), (3, 16, 16)) / 4)
     wrapped = es.sharded_init(lambda k: FSDP(plain, "fsdp", min_weight_size=0), jax.random.key(0), mesh=mesh)
     x = jax.random.normal(jax.random.key(6), (32, 16))
 
-    def loss(m, x):
-        return jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), "fsdp")
-
-    sharded = es.filter_shard_map(loss, mesh=mesh, in_specs=(None, P("fsdp")), out_specs=P())
-    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(sharded))(wrapped, x)
-    ref_value, ref_grads = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(plain, x)
-    assert_tree_allclose(value, ref_value)
-    assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
+    _assert_unit_equals_plain(wrapped, plain, x, mesh)
 
 
 # ------------------------------------------------------------------------ shard_params
