@@ -79,12 +79,13 @@ def lower_once(package: str) -> dict[str, float]:
     mesh, par = layout.mesh(devices), layout.parallelism(len(devices))
     clock = time.process_time  # CPU time of this process: what tracing and lowering cost
     start = clock()
-    state = eqx.filter_eval_shape(
-        lambda: train.init_train_state(
-            lambda k: models.GPT(models.PRESETS[PRESET], par, key=k), optimizer, jax.random.key(0), mesh=mesh
-        )
+    make_state = lambda: train.init_train_state(  # noqa: E731
+        lambda k: models.GPT(models.PRESETS[PRESET], par, key=k), optimizer, jax.random.key(0), mesh=mesh
     )
-    state = report._abstract(state, mesh)
+    if hasattr(report, "_abstract"):  # before `equishard.report._abstract.abstract_state`
+        state = report._abstract(eqx.filter_eval_shape(make_state), mesh)
+    else:
+        state = importlib.import_module(f"{package}.report._abstract").abstract_state(make_state, mesh)
     dynamic, static = eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     batch = jax.ShapeDtypeStruct(
         (BATCH, SEQ + 1), jnp.int32, sharding=NamedSharding(mesh, layout.batch_spec(len(devices)))

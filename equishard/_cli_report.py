@@ -113,6 +113,7 @@ def _user_report(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
     import optax
 
     from .report import report as read_report
+    from .report._abstract import abstract_state, lower_from_shapes
     from .sharding import make_mesh, param_table
     from .train import init_train_state, make_train_step
 
@@ -127,12 +128,15 @@ def _user_report(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
             f"make_model, loss_fn, batch, batch_spec and optionally optimizer, view)."
         )
     optimizer = parts.get("optimizer") or optax.adamw(1e-3)
-    state = init_train_state(parts["make_model"], optimizer, jax.random.key(0), mesh=mesh)
+    # From shapes: the model is traced, never initialised (nor held by this process).
+    state = abstract_state(
+        lambda: init_train_state(parts["make_model"], optimizer, jax.random.key(0), mesh=mesh), mesh
+    )
     step = make_train_step(
         parts["loss_fn"], optimizer, mesh=mesh, batch_spec=parts["batch_spec"], view=parts.get("view", "local")
     )
     start = time.perf_counter()
-    lowered = step.lower(state, parts["batch"])
+    lowered = lower_from_shapes(step, state, parts["batch"])
     traced = time.perf_counter()
     compiled = lowered.compile()
     facts = {"lower_seconds": traced - start, "compile_seconds": time.perf_counter() - traced}
@@ -384,7 +388,7 @@ def add_report_parsers(sub: Any) -> None:
         default="small",
         help=(
             f"model preset: {names}; or your own model as module:factory, where "
-            f"factory(layout) returns a dict with make_model (key -> model), loss_fn, batch, "
+            f"factory(layout) returns a dict with make_model (key -> model; traced for its shapes, never run), loss_fn, batch, "
             f"batch_spec and optionally optimizer and view, as make_train_step takes them"
         ),
     )

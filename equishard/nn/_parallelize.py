@@ -567,11 +567,16 @@ def _stand_in(model: PyTree) -> PyTree:
 
 
 def _run_compiled(fn: Callable[[PyTree], Any], tree: PyTree) -> Any:
-    """`fn(tree)`, compiled and run on concrete arrays (also while an outer function is
-    being traced: the compiled program is called, not traced into it)."""
+    """`fn(tree)`, compiled and run on concrete arrays, also while an outer function is
+    being traced (under `init_train_state`, of a model built beforehand): the program
+    is called, not traced into the outer one, and its arguments placed on its devices
+    eagerly. It runs once, so it is compiled without the backend's optimisation passes
+    (on XLA:CPU, LLVM's passes take seconds per random-number kernel of a dropout)."""
     arrays, static = eqx.partition(tree, eqx.is_array)
-    jitted = jax.jit(lambda a: fn(eqx.combine(a, static)))
-    return jitted.lower(arrays).compile()(arrays)
+    jitted = jax.jit(lambda a: fn(eqx.combine(a, static)), compiler_options={"xla_backend_optimization_level": 0})
+    compiled = jitted.lower(arrays).compile()
+    with jax.ensure_compile_time_eval():
+        return compiled(arrays)
 
 
 def _rel_err(a: Any, b: Any) -> float:

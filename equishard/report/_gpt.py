@@ -19,14 +19,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from .._errors import LayerConfigError, MeshError
 from ..core import pipeline_schedule, schedule_weights
 from ..models import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
-from ..sharding import Layout, param_table, specs_of
-from ..sharding._specs import is_array_like, is_spec
+from ..sharding import Layout, param_table
 from ..train import TrainState, init_train_state, make_train_step
+from ._abstract import abstract_state, lower_from_shapes
 from ._memory import gpt_memory
 from ._minimum import gpt_minimum, state_bytes
 from ._report import StepReport, report
@@ -97,25 +97,6 @@ def check_gpt_layout(
         eqx.filter_eval_shape(lambda: GPT(config, par, key=jax.random.key(0)))
 
 
-def _abstract(tree: Any, mesh: Mesh) -> Any:
-    """`tree` with each array a `ShapeDtypeStruct` carrying its spec's sharding."""
-
-    def on_subtree(spec: P | None, sub: Any) -> Any:
-        if spec is None:
-            return sub
-        sharding = NamedSharding(mesh, spec)
-
-        def on_leaf(leaf: Any) -> Any:  # boxes are pytree nodes: their values are leaves
-            if is_array_like(leaf):
-                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-            return leaf
-
-        return jax.tree.map(on_leaf, sub)
-
-    specs = specs_of(tree)
-    return jax.tree.map(on_subtree, specs, tree, is_leaf=lambda s: s is None or is_spec(s))
-
-
 @dataclasses.dataclass(frozen=True)
 class AbstractStep:
     """A lowered GPT train step and what it was built from (see `abstract_train_step`).
@@ -182,14 +163,14 @@ def abstract_train_step(
     start = time.perf_counter()
     mesh = layout.mesh(devices)
     par = layout.parallelism(len(devices))
-    state = eqx.filter_eval_shape(
+    state = abstract_state(
         lambda: init_train_state(
             lambda k: cast_floating(GPT(config, par, key=k), param_dtype), optimizer,
             jax.random.key(0), mesh=mesh, zero=layout.zero_axes(len(devices)),
             zero_min_weight_size=par.fsdp_min_weight_size,
-        )
+        ),
+        mesh,
     )
-    state = _abstract(state, mesh)
     step = make_train_step(
         lambda model, batch, key: cast_floating(model, dtype).loss(batch, key),
         optimizer,
@@ -199,11 +180,6 @@ def abstract_train_step(
         zero=layout.zero_axes(len(devices)),
         zero_min_weight_size=par.fsdp_min_weight_size,
     )
-    dynamic, static = eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-    def whole(dynamic: Any, batch: Any) -> Any:
-        return step(eqx.combine(dynamic, static), batch)
-
     sharding = NamedSharding(mesh, layout.batch_spec(len(devices)))
     batch: Any
     if par.context:  # inputs, labels and positions [B, S], split over cp too
@@ -211,7 +187,7 @@ def abstract_train_step(
         batch = {"inputs": tokens, "labels": tokens, "positions": tokens}
     else:
         batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=sharding)
-    lowered = jax.jit(whole, donate_argnums=0).lower(dynamic, batch)
+    lowered = lower_from_shapes(step, state, batch)
     return AbstractStep(
         lowered, state, mesh, config, layout, batch_size, seq_len, time.perf_counter() - start
     )
