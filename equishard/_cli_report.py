@@ -388,8 +388,9 @@ def add_report_parsers(sub: Any) -> None:
         default="small",
         help=(
             f"model preset: {names}; or your own model as module:factory, where "
-            f"factory(layout) returns a dict with make_model (key -> model; traced for its shapes, never run), loss_fn, batch, "
-            f"batch_spec and optionally optimizer and view, as make_train_step takes them"
+            f"factory(layout) returns a dict with make_model (key -> model; traced for its "
+            f"shapes, never run), loss_fn, batch, batch_spec and optionally optimizer and "
+            f"view, as make_train_step takes them"
         ),
     )
     p.add_argument("--layout", default="dp=2,fsdp=2,tp=2", help="mesh axes, e.g. 'fsdp=4,tp=2' (dp, fsdp, tp, ep, pp); one size may be -1 to fill the devices")

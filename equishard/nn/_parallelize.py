@@ -570,10 +570,11 @@ def _run_compiled(fn: Callable[[PyTree], Any], tree: PyTree) -> Any:
     """`fn(tree)`, compiled and run on concrete arrays, also while an outer function is
     being traced (under `init_train_state`, of a model built beforehand): the program
     is called, not traced into the outer one, and its arguments placed on its devices
-    eagerly. It runs once, so it is compiled without the backend's optimisation passes
-    (on XLA:CPU, LLVM's passes take seconds per random-number kernel of a dropout)."""
+    eagerly. It runs once, so on the CPU it is compiled without the backend's
+    optimisation passes (LLVM's take seconds per random-number kernel of a dropout)."""
     arrays, static = eqx.partition(tree, eqx.is_array)
-    jitted = jax.jit(lambda a: fn(eqx.combine(a, static)), compiler_options={"xla_backend_optimization_level": 0})
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    jitted = jax.jit(lambda a: fn(eqx.combine(a, static)), compiler_options=options)
     compiled = jitted.lower(arrays).compile()
     with jax.ensure_compile_time_eval():
         return compiled(arrays)
