@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import core, source_info_util
+from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
 from ._remat import COLLECTIVES, _collective_axes
@@ -129,9 +130,38 @@ def _evaluate(closed: core.ClosedJaxpr, args: Sequence[Any], axis_name: str, kep
     return [read(v) for v in jaxpr.outvars], outputs
 
 
+def _with_kept_outputs(jaxpr: core.Jaxpr, axis_name: str) -> tuple[core.Jaxpr, list[int]]:
+    """`jaxpr` also returning the outputs of its kept collectives, and how many each
+    collective has (0: a single result)."""
+    kept = [eqn for eqn in jaxpr.eqns if _kept(eqn, axis_name)]
+    extra = [v for eqn in kept for v in eqn.outvars]
+    counts = [len(eqn.outvars) if eqn.primitive.multiple_results else 0 for eqn in kept]
+    return jaxpr.replace(outvars=[*jaxpr.outvars, *extra]), counts
+
+
+def _inline(
+    trace: pe.DynamicJaxprTrace, closed: core.ClosedJaxpr, args: Sequence[Any], axis_name: str
+) -> tuple[list[Any], list[Any]]:
+    # `run` while staging a jaxpr: the traced equations are copied into it as they are
+    # (as `jax.jit(..., inline=True)` inlines its trace), with no shape rule run again.
+    jaxpr, counts = _with_kept_outputs(closed.jaxpr, axis_name)
+    src = source_info_util.current()
+    tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
+    outs = pe.inline_jaxpr_into_trace(trace, src, jaxpr, closed.consts, *tracers)
+    flat_out, rest = outs[: len(closed.jaxpr.outvars)], outs[len(closed.jaxpr.outvars) :]
+    kept = []
+    for count in counts:
+        kept.append(rest[0] if count == 0 else rest[:count])
+        rest = rest[max(count, 1) :]
+    return flat_out, kept
+
+
 def run(closed: core.ClosedJaxpr, args: Sequence[Any], axis_name: str) -> tuple[list[Any], list[Any]]:
     """Evaluate `closed` on `args`: its outputs, and the outputs of its collectives not
     over `axis_name` (for `replay`)."""
+    trace = core.trace_ctx.trace
+    if isinstance(trace, pe.DynamicJaxprTrace):
+        return _inline(trace, closed, args, axis_name)
     return _evaluate(closed, args, axis_name, None)
 
 
