@@ -38,6 +38,7 @@ from ..nn import (
     vocab_parallel_cross_entropy,
 )
 from ..nn._fsdp import _after
+from ..nn._linear import matmul_t
 from ..sharding import (
     Parallelism,
     add_leading_axis,
@@ -400,7 +401,6 @@ class GPT(eqx.Module):
             return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
         call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
-
         def blocks(x: Array, params: Any, positions: Array | None) -> tuple[Array, MoEAuxSum]:
             def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
                 unit = drop_leading_axis(eqx.combine(layer, static))
@@ -441,7 +441,7 @@ class GPT(eqx.Module):
         if self.parallelism.sequence_parallel:
             h = gather_tokens(h, TP)
         # f32[B, T(/tp), D] @ f32[D, V/tp]
-        return h @ table.T
+        return matmul_t(h, table)
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
         """Logits for `ids` (local view)."""

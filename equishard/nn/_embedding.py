@@ -24,7 +24,7 @@ from ._init import (
     init_weight,
     value_of,
 )
-from ._linear import lora_scale, master_of
+from ._linear import lora_scale, master_of, matmul_t
 
 
 class ParallelEmbedding(eqx.Module):
@@ -205,7 +205,7 @@ class ParallelEmbedding(eqx.Module):
         if self.lora_a is None or self.lora_b is None:
             return jnp.zeros((), value_of(self.weight).dtype)
         after_a = jnp.take(value_of(self.lora_a).T, ids, axis=0)  # f32[..., r]
-        return self.lora_scale * (after_a @ value_of(self.lora_b).T)
+        return self.lora_scale * matmul_t(after_a, value_of(self.lora_b))
 
     def _mask_padding(self, ids: Array, out: Array) -> Array:
         # The padding row is zero; masking it also stops its gradient.

@@ -53,7 +53,7 @@ from ._init import (
     init_weight,
     value_of,
 )
-from ._linear import ColumnParallelLinear, RowParallelLinear, add_bias
+from ._linear import ColumnParallelLinear, RowParallelLinear, add_bias, matmul_t
 from ._moe import MoE, MoEAux
 from ._remat import CONTEXT, MLP_IN, MLP_OUT, OUT_PROJ, QKV_PROJ
 
@@ -161,12 +161,23 @@ def _rotary_table(
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def _table_for(x: Float[Array, "... seq heads head_dim"], cos: Array, sin: Array) -> tuple[Array, Array]:
+    """The table `(cos, sin)` of `_rotary_table` broadcast to `x`'s half features
+    (`f32[..., T, H, hd/2]`) and cast to vary as `x` does: made once, it serves every
+    array of that shape (the queries and the keys of a layer)."""
+    shape = (*x.shape[:-1], x.shape[-1] // 2)
+    axes = varying_axes(x)
+    return cast_varying(jnp.broadcast_to(cos, shape), axes), cast_varying(jnp.broadcast_to(sin, shape), axes)
+
+
 def _rotate(x: Float[Array, "... seq heads head_dim"], cos: Array, sin: Array) -> Array:
-    """`x` rotated by the table `(cos, sin)` of `_rotary_table`, same shape and dtype."""
+    """`x` rotated by the table `(cos, sin)` of `_rotary_table` (or `_table_for`'s),
+    same shape and dtype."""
     half = x.shape[-1] // 2
     x1 = x[..., :half].astype(jnp.float32)
     x2 = x[..., half:].astype(jnp.float32)
-    cos, sin = jnp.broadcast_to(cos, x1.shape), jnp.broadcast_to(sin, x1.shape)
+    if cos.shape != x1.shape:
+        cos, sin = _table_for(x, cos, sin)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
 
@@ -288,7 +299,7 @@ class SharedKVLinear(eqx.Module):
             w = jax.lax.dynamic_slice_in_dim(w, start, local, axis=1)
             b = None if b is None else jax.lax.dynamic_slice_in_dim(b, start, local, axis=1)
         # f32[..., in] @ f32[in, 2 h hd] -> f32[..., 2 h hd]
-        y = x @ w.reshape(-1, self.in_features).T
+        y = matmul_t(x, w.reshape(-1, self.in_features))
         if b is not None:
             y = add_bias(y, b.reshape(-1))
         return y
@@ -505,9 +516,11 @@ class ParallelAttention(eqx.Module):
         """
         q, k, v = self.qkv_heads(x)
         if self.rotary:
-            # One table for both: f32[..., T, 1, hd/2] each.
+            # One table, f32[..., T, 1, hd/2] each, broadcast once for q and k alike.
             table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions)
-            q, k = _rotate(q, *table), _rotate(k, *table)
+            q_table = _table_for(q, *table)
+            same = k.shape == q.shape and varying_axes(k) == varying_axes(q)
+            q, k = _rotate(q, *q_table), _rotate(k, *(q_table if same else table))
         cp = self.context_axis_name
         if cp is not None and is_bound(cp):
             if positions is None:
@@ -611,7 +624,8 @@ class ParallelMLP(eqx.Module):
             # transpose concatenates the two gradients into one buffer, where two slices'
             # pads would hold three.
             gate, up = jnp.split(h, 2, axis=-1)
-            h = jax.nn.silu(gate) * up
+            # silu(gate) as `jax.nn.silu` computes it, unstaged (that one is a nested jit).
+            h = gate * jax.lax.logistic(gate) * up
         else:
             h = self.activation(h)
         # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]
