@@ -37,7 +37,7 @@ from ..nn import (
     remat_policy,
     vocab_parallel_cross_entropy,
 )
-from ..nn._fsdp import _after
+from ..nn._fsdp import _after, scan_units, scannable
 from ..nn._linear import matmul_t
 from ..sharding import (
     Parallelism,
@@ -401,12 +401,25 @@ class GPT(eqx.Module):
             return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
         call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
+        # Regathering FSDP units without a remat policy, dense and on one context shard,
+        # keep only top-level tensor-parallel collectives: their scan is differentiated
+        # as one (`scan_units`, the same values and gradients, traced in fewer passes).
+        as_one = (
+            remat_policy(self.config.remat, offload=self.config.remat_offload) is None
+            and not self.config.moe_every
+            and not self.parallelism.context
+            and scannable(params, static, x)
+        )
+
         def blocks(x: Array, params: Any, positions: Array | None) -> tuple[Array, MoEAuxSum]:
             def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
                 unit = drop_leading_axis(eqx.combine(layer, static))
                 return call(unit, x, positions)
 
-            x, aux = jax.lax.scan(body, x, params)
+            if as_one:
+                x, aux = scan_units(params, static, x, positions)
+            else:
+                x, aux = jax.lax.scan(body, x, params)
             return x, jax.tree.map(lambda a: a.sum(0), aux)
 
         chunks = self.config.batch_chunks

@@ -39,7 +39,7 @@ from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..core._collectives import mesh_ordered, varying_axes
 from ..core._gather import check_local_loss_convention
-from ..sharding._box import Sharded, is_sharded
+from ..sharding._box import Sharded, drop_leading_axis, is_sharded
 from ..sharding._fsdp import (
     DEFAULT_MIN_WEIGHT_SIZE,
     AutoSharded,
@@ -405,6 +405,48 @@ def _shapes(out: Any) -> Any:
     )
 
 
+def _replayed_grads(
+    traced: _Traced,
+    kept: list[Any],
+    primal: Any,
+    operands_of: Callable[[Any], Any],
+    grad_out: Any,
+    cotangent: Any,
+    config: _GatherConfig,
+) -> Any:
+    """The gradients of `primal`, the unit's operands being `operands_of(primal)`: the
+    call replayed from `kept` (`_replay.replay`) and differentiated, its output's
+    cotangent `cotangent` (`grad_out` with zeros for the outputs that were not
+    differentiated)."""
+    operands = operands_of(primal)
+    # The recomputation waits for the cotangent: its parameters' gathers (tied to
+    # `anchor` in the jaxpr), its inputs and the kept outputs (those that vary as the
+    # cotangent does: the jaxpr was traced on their types).
+    anchor = _anchor(grad_out)
+    anchor = _anchor(cotangent) if anchor is None else anchor
+    if jax.typeof(anchor) != traced.closed.in_avals[0]:
+        # Not the input's type (another dtype, other varying axes): trace again.
+        traced = _trace_call(operands, anchor, config)[0]
+    kept = _tied_to(kept, anchor, unboxed=True, widen=False)
+
+    def call(ops: Any) -> Any:
+        module, args, kwargs = ops
+        ops = (module, *_tied_to((args, kwargs), anchor, unboxed=True, widen=False))
+        flat = jax.tree.leaves(eqx.filter(ops, eqx.is_array))
+        return _outputs(traced, _replay.replay(traced.closed, [anchor, *flat], config.axis_name, kept))
+
+    diff, nondiff = eqx.partition(primal, eqx.is_inexact_array)
+
+    def differentiable(diff: Any) -> Any:
+        return eqx.filter(call(operands_of(eqx.combine(diff, nondiff))), eqx.is_inexact_array)
+
+    def tangent(t: Any) -> Any:
+        return jax.jvp(differentiable, (diff,), (t,))[1]
+
+    (grads,) = jax.linear_transpose(tangent, diff)(cotangent)
+    return grads
+
+
 @_call_regathering.def_bwd
 def _call_regathering_bwd(
     residuals: Any, grad_out: Any, perturbed: Any, operands: Any, config: _GatherConfig
@@ -423,34 +465,9 @@ def _call_regathering_bwd(
     )
     if isinstance(saved, tuple) and isinstance(saved[0], _Traced):
         traced, kept = saved
-        # The recomputation waits for the cotangent: its parameters' gathers (tied to
-        # `anchor` in the jaxpr), its inputs and the kept outputs (those that vary as the
-        # cotangent does: the jaxpr was traced on their types).
-        anchor = _anchor(grad_out)
-        anchor = _anchor(cotangent) if anchor is None else anchor
-        if jax.typeof(anchor) != traced.closed.in_avals[0]:
-            # Not the input's type (another dtype, other varying axes): trace again.
-            traced = _trace_call(operands, anchor, config)[0]
-        kept = _tied_to(kept, anchor, unboxed=True, widen=False)
-
-        def call(ops: Any) -> Any:
-            module, args, kwargs = ops
-            ops = (module, *_tied_to((args, kwargs), anchor, unboxed=True, widen=False))
-            flat = jax.tree.leaves(eqx.filter(ops, eqx.is_array))
-            return _outputs(traced, _replay.replay(traced.closed, [anchor, *flat], config.axis_name, kept))
-
-        diff, nondiff = eqx.partition(operands, eqx.is_inexact_array)
-
-        def differentiable(diff: Any) -> Any:
-            return eqx.filter(call(eqx.combine(diff, nondiff)), eqx.is_inexact_array)
-
-        def tangent(t: Any) -> Any:
-            return jax.jvp(differentiable, (diff,), (t,))[1]
-
-        vjp = jax.linear_transpose(tangent, diff)
+        grads = _replayed_grads(traced, kept, operands, lambda ops: ops, grad_out, cotangent, config)
     else:
-        vjp = _after(saved, grad_out, unboxed=True)
-    (grads,) = vjp(cotangent)
+        (grads,) = _after(saved, grad_out, unboxed=True)(cotangent)
     return jax.tree.map(
         lambda g, p: g if p else None, grads, perturbed, is_leaf=lambda g: g is None
     )
@@ -801,3 +818,118 @@ def fsdp_wrap(
             f"fsdp_wrap: policy {policy!r} selects no module of {type(model).__name__}."
         )
     return result
+
+
+# ---------------------------------------------------------------------------
+# A scan over stacked regathering units, differentiated as one
+
+
+def scannable(layers: PyTree, static: PyTree, x: Any) -> bool:
+    """Whether `scan_units` applies: the stacked unit (`eqx.combine(layers, static)`) is
+    a regathering `FSDP` unit (not `mean_grads`), and no `vmap` batches the scan. (Its
+    call must also keep only top-level linear collectives over other axes, as `_replay`
+    replays: the caller knows; `scan_units` raises otherwise.)"""
+    unit = eqx.combine(layers, static)
+    return (
+        isinstance(unit, FSDP)
+        and unit.regather
+        and not unit.mean_grads
+        and not any(isinstance(a, BatchTracer) for a in jax.tree.leaves((layers, x)))
+    )
+
+
+def scan_units(layers: PyTree, static: PyTree, x: Any, *args: Any) -> tuple[Any, Any]:
+    """`jax.lax.scan` of `unit(x, *args) -> (x, y)` over stacked `FSDP` units, where
+    each layer's `unit` is `drop_leading_axis(eqx.combine(layer, static))`: the new
+    `x` and the stacked `y`s. Needs `scannable`.
+
+    The values and gradients of the plain scan, each layer's as `FSDP`'s regathering
+    call computes it. Differentiated as one: the forward pass scans the layers running
+    each traced call and keeping its input and its other collectives' outputs; the
+    backward pass scans them in reverse, replaying and differentiating each call.
+    JAX's own differentiation of the scan would linearise its body (with the units'
+    forward rules), partially evaluate it and transpose it, each a pass over every
+    equation of the layer while the train step is traced.
+    """
+    return _scanned((layers, x), static, args)
+
+
+def _layer_call(static: PyTree, args: tuple[Any, ...]) -> Callable[[Any], Any]:
+    """`(layer, x) -> (unit.module, (x, *args), {})`: one layer's operands, as `FSDP`
+    calls its module."""
+
+    def operands_of(primal: Any) -> Any:
+        layer, x = primal
+        return (drop_leading_axis(eqx.combine(layer, static)).module, (x, *args), {})
+
+    return operands_of
+
+
+@eqx.filter_custom_vjp
+def _scanned(diff: Any, static: PyTree, args: tuple[Any, ...]) -> Any:
+    layers, x = diff
+
+    def body(x: Any, layer: Any) -> Any:
+        return drop_leading_axis(eqx.combine(layer, static))(x, *args)
+
+    return jax.lax.scan(body, x, layers)
+
+
+@_scanned.def_fwd
+def _scanned_fwd(perturbed: Any, diff: Any, static: PyTree, args: tuple[Any, ...]) -> Any:
+    del perturbed
+    layers, x = diff
+    config = static._config()
+    operands_of = _layer_call(static, args)
+    seen: list[tuple[_Traced, Any]] = []  # the body's trace, for the backward pass
+
+    def body(x: Any, layer: Any) -> Any:
+        operands = operands_of((layer, x))
+        anchor = _anchor(operands[1:])
+        traced, flat = _trace_call(operands, anchor, config)
+        if not _replay.replayable(traced.closed.jaxpr, config.axis_name):
+            raise LayerConfigError(
+                "scan_units: a layer's call has a collective over an axis other than "
+                f"{config.axis_name!r} that is nested or not linear; scan the layers with "
+                "jax.lax.scan (each FSDP unit then keeps it by a checkpoint)."
+            )
+        flat_out, kept = _replay.run(traced.closed, [anchor, *flat], config.axis_name)
+        x_out, y = out = _outputs(traced, flat_out)
+        seen.append((traced, _shapes(out)))
+        # The layer's input and its kept collectives' outputs, stacked over the layers.
+        return x_out, (y, (x, kept))
+
+    x_out, (ys, saved) = jax.lax.scan(body, x, layers)
+    traced, shapes = seen[0]
+    return (x_out, ys), (traced, shapes, saved)
+
+
+@_scanned.def_bwd
+def _scanned_bwd(
+    residuals: Any, grad_out: Any, perturbed: Any, diff: Any, static: PyTree, args: tuple[Any, ...]
+) -> Any:
+    traced, shapes, (xs, kept) = residuals
+    layers, _ = diff
+    config = static._config()
+    operands_of = _layer_call(static, args)
+    g_x, g_ys = grad_out
+    x_shape, y_shapes = shapes
+    # A cotangent for every layer output: zeros where none was given (integers none).
+    g_x = jnp.zeros(x_shape.shape, x_shape.dtype) if g_x is None else g_x
+    g_ys = jax.tree.map(
+        lambda g, o: jnp.zeros((xs.shape[0], *o.shape), o.dtype) if g is None and o is not None else g,
+        g_ys,
+        y_shapes,
+        is_leaf=lambda g: g is None,
+    )
+
+    def body(g_x: Any, per_layer: Any) -> Any:
+        layer, x, kept, g_y = per_layer
+        grad = (g_x, g_y)
+        g_layer, g_x = _replayed_grads(traced, kept, (layer, x), operands_of, grad, grad, config)
+        return g_x, g_layer
+
+    g_x, g_layers = jax.lax.scan(body, g_x, (layers, xs, kept, g_ys), reverse=True)
+    return jax.tree.map(
+        lambda g, p: g if p else None, (g_layers, g_x), perturbed, is_leaf=lambda g: g is None
+    )
