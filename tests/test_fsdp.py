@@ -255,6 +255,44 @@ def test_fsdp_unit_with_a_scan_inside_equals_single_device(layout):
     _assert_unit_equals_plain(wrapped, plain, x, mesh)
 
 
+@pytest.mark.parametrize("layout", ["fsdp=8", "fsdp=4,tp=2"])
+def test_scan_units_equals_the_plain_scan(layout):
+    """The reference GPT's stacked regathering units scanned as one (`scan_units`, a
+    custom VJP over the scan) give the plain `lax.scan`'s values and gradients, of the
+    parameters and of the input; on `tp` the kept all-reduces are replayed."""
+    from equishard.models import GPT, GPTConfig
+    from equishard.nn._fsdp import scan_units, scannable
+
+    mesh = es.make_mesh(layout)
+    config = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=3, d_ff=64)
+    par = es.Layout(layout).parallelism(8)
+    units = es.sharded_init(lambda k: GPT(config, par, key=k), jax.random.key(0), mesh=mesh).units
+    x = jax.random.normal(jax.random.key(1), (16, 8, 32))
+
+    def loss(operands, as_one):
+        units, x = operands
+        params, static = eqx.partition(units, eqx.is_array)
+        if as_one:
+            assert scannable(params, static, x)
+            h, aux = scan_units(params, static, x, None)
+        else:
+            call = lambda h, layer: es.drop_leading_axis(eqx.combine(layer, static))(h, None)  # noqa: E731
+            h, aux = jax.lax.scan(call, x, params)
+        return jax.lax.pmean(jnp.mean(h**2) + jnp.sum(aux.load_balancing_loss), "fsdp")
+
+    def value_and_grad(as_one):
+        sharded = es.filter_shard_map(
+            functools.partial(loss, as_one=as_one), mesh=mesh, in_specs=((None, P("fsdp")),), out_specs=P()
+        )
+        return eqx.filter_jit(eqx.filter_value_and_grad(sharded))((units, x))
+
+    value, (g_units, g_x) = value_and_grad(True)
+    ref_value, (ref_units, ref_x) = value_and_grad(False)
+    assert_tree_allclose(value, ref_value)
+    assert_tree_allclose(g_x, ref_x)
+    assert_tree_allclose(g_units, ref_units)
+
+
 # ------------------------------------------------------------------------ shard_params
 
 
