@@ -746,15 +746,19 @@ def lowering_markdown() -> list[str]:
         f"Trace + lower: **{o['ratio']:.2f}x** the older commit's (target at most 0.6x). The older "
         "train step traced its body twice (once more under `eval_shape`, to learn the "
         "`shard_map`'s output specs); this one passes the parameters' specs and traces once. "
-        "The FSDP unit no longer linearises and transposes a `jax.checkpoint`: the block is "
-        "traced once for its primal and its forward rule, which runs it keeping its other "
-        "collectives' outputs, and the backward rule differentiates it with those outputs "
-        "replayed (`jvp` and `linear_transpose`); the optimizer's update, called twice by the "
-        "non-finite guard, is traced and lowered once. Most of what remains is JAX's work: "
-        "the block traced, the scan's linearisation, hoisting and transpose, and the lowering "
-        "of every equation (a little longer than the older commit's: a tenth more equations, "
-        "the recomputation's results it does not use among them); equishard's own Python (spec "
-        "walks, boxes, placement) is a few per cent of it.",
+        "The FSDP unit no longer linearises and transposes a `jax.checkpoint`: its call is "
+        "traced once, its forward copies that trace's equations into the step (keeping its "
+        "other collectives' outputs), and its backward differentiates it with those outputs "
+        "replayed (`jvp` and `linear_transpose`). The scan over the units is differentiated "
+        "as one (`scan_units`: a forward scan and a reverse scan of those rules), so JAX's "
+        "linearisation, known-value hoisting and transpose of the scan body, each a pass over "
+        "every equation of a layer, are not traced; a layer stages fewer equations (no "
+        "transposed weight before a matmul, no nested `jit` for SiLU, one rotary table for "
+        "the queries and keys). The optimizer's update, called twice by the non-finite guard, "
+        "is traced once. The lowering is the larger share now, and a little longer than the "
+        "older commit's: a tenth more equations (the guard's finiteness checks, its copy of "
+        "the update, which XLA does not share with the applied one), every one lowered by "
+        "JAX into a function and inlined.",
         "",
     ]
 
