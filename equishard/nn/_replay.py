@@ -5,8 +5,9 @@ its operands and the outputs of its collectives over other axes; its backward pa
 recomputes the rest and differentiates it. `jax.checkpoint` under `jax.vjp` gives that,
 but at a price in tracing: the forward linearises the checkpointed call (its JVP and
 the policy's partial evaluation), and the backward transposes it (tracing the recomputation
-and the transpose into a new jaxpr). Here the forward only evaluates the call's jaxpr,
-keeping the collectives' outputs (`run`), and the backward differentiates the same jaxpr
+and the transpose into a new jaxpr). Here the forward only runs the call's jaxpr, keeping
+the collectives' outputs (`run`: while a jaxpr is being staged, its equations are copied
+into it as they are), and the backward differentiates the same jaxpr
 with each kept collective replaced by its output (`replay`): the recomputation sends
 nothing again, and the collective's tangent (itself applied to its operands' tangents)
 still carries the gradient through it. The computation is that of the checkpoint: the
@@ -146,8 +147,10 @@ def _inline(
     # (as `jax.jit(..., inline=True)` inlines its trace), with no shape rule run again.
     jaxpr, counts = _with_kept_outputs(closed.jaxpr, axis_name)
     src = source_info_util.current()
-    tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
-    outs = pe.inline_jaxpr_into_trace(trace, src, jaxpr, closed.consts, *tracers)
+    # The constants as leading inputs: one may be a value of this very trace (a call
+    # that closed over it), which only an input can carry.
+    tracers = [trace.to_jaxpr_tracer(x, src) for x in [*closed.consts, *args]]
+    outs = pe.inline_jaxpr_into_trace(trace, src, pe.convert_constvars_jaxpr(jaxpr), (), *tracers)
     flat_out, rest = outs[: len(closed.jaxpr.outvars)], outs[len(closed.jaxpr.outvars) :]
     kept = []
     for count in counts:
