@@ -854,13 +854,18 @@ def scan_units(layers: PyTree, static: PyTree, x: Any, *args: Any) -> tuple[Any,
     return _scanned((layers, x), static, args)
 
 
+def _unit_of(layer: PyTree, static: PyTree) -> "FSDP":
+    """One layer's unit: its slice of the stacked arrays with the stacked unit's rest."""
+    return drop_leading_axis(eqx.combine(layer, static))
+
+
 def _layer_call(static: PyTree, args: tuple[Any, ...]) -> Callable[[Any], Any]:
     """`(layer, x) -> (unit.module, (x, *args), {})`: one layer's operands, as `FSDP`
     calls its module."""
 
     def operands_of(primal: Any) -> Any:
         layer, x = primal
-        return (drop_leading_axis(eqx.combine(layer, static)).module, (x, *args), {})
+        return (_unit_of(layer, static).module, (x, *args), {})
 
     return operands_of
 
@@ -870,7 +875,7 @@ def _scanned(diff: Any, static: PyTree, args: tuple[Any, ...]) -> Any:
     layers, x = diff
 
     def body(x: Any, layer: Any) -> Any:
-        return drop_leading_axis(eqx.combine(layer, static))(x, *args)
+        return _unit_of(layer, static)(x, *args)
 
     return jax.lax.scan(body, x, layers)
 
