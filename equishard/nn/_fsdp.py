@@ -19,6 +19,7 @@ backward pass sends nothing but the FSDP gathers.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -186,32 +187,35 @@ def _tie_batched_vmap(axis_size: int, in_batched: Any, xs: list[Any], anchor: An
     return _tie_batched(xs, anchor[0] if anchor_batched else anchor), xs_batched
 
 
-@jax.custom_vjp
 def _tie(xs: list[Any], anchor: Any) -> list[Any]:
     """`[x + 0 * anchor for x in xs]`: the arrays, made to wait for `anchor` (gradient:
     identity, none). One call for a whole unit's arrays: one custom rule to trace."""
+    # What the backward pass needs of each `x`, its varying axes, is known now.
+    return _tie_rule(tuple(frozenset(varying_axes(x)) for x in xs), xs, anchor)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tie_rule(x_axes: tuple[frozenset[str], ...], xs: list[Any], anchor: Any) -> list[Any]:
+    del x_axes
     return _tie_batched(xs, anchor)
 
 
-def _tie_fwd(xs: list[Any], anchor: Any) -> Any:
-    # `x[:0]`: an empty array that varies as `x` does, for the backward pass.
-    return _tie_batched(xs, anchor), ([x.ravel()[:0] for x in xs], jnp.zeros_like(anchor))
+def _tie_fwd(x_axes: tuple[frozenset[str], ...], xs: list[Any], anchor: Any) -> Any:
+    del x_axes
+    return _tie_batched(xs, anchor), jnp.zeros_like(anchor)
 
 
-def _tie_bwd(residuals: Any, gs: list[Any]) -> Any:
-    like_xs, zero = residuals
-
-    def grad(g: Any, like_x: Any) -> Any:
+def _tie_bwd(x_axes: tuple[frozenset[str], ...], zero: Any, gs: list[Any]) -> Any:
+    def grad(g: Any, axes: frozenset[str]) -> Any:
         # The output varied also over the anchor's axes; `x`'s gradient is summed over
         # them, as the transpose of the implicit cast in `x + 0 * anchor` would.
-        varying = tuple(varying_axes(g))
-        extra = tuple(a for a in (mesh_ordered(varying) if varying else ()) if a not in varying_axes(like_x))
+        extra = mesh_ordered(frozenset(varying_axes(g)) - axes)
         return jax.lax.psum(g, extra) if extra else g
 
-    return [grad(g, like_x) for g, like_x in zip(gs, like_xs)], zero
+    return [grad(g, axes) for g, axes in zip(gs, x_axes)], zero
 
 
-_tie.defvjp(_tie_fwd, _tie_bwd)
+_tie_rule.defvjp(_tie_fwd, _tie_bwd)
 
 
 def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTree:

@@ -11,8 +11,9 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._errors import SpecError
 from ._box import is_sharded
-from ._specs import check_tree_specs, is_array_like, is_spec, specs_of
+from ._specs import check_spec, check_tree_specs, is_array_like, is_spec, spec_of_leaf, specs_of
 
 
 def is_tracer(x: Any) -> bool:
@@ -79,9 +80,30 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree | None = None) -> PyTree:
     fit.
     """
     if specs is None:
-        specs = specs_of(tree)
+        return _shard_by_own_specs(tree, mesh)
     check_tree_specs(tree, specs, mesh)
     return _map_with_specs(lambda x, spec: place(x, mesh, spec), tree, specs)
+
+
+def _shard_by_own_specs(tree: PyTree, mesh: Mesh) -> PyTree:
+    """`shard(tree, mesh)`: every array by its own spec (`specs_of`), in one pass over
+    `tree` (a train step places its whole state so, at every trace)."""
+    nodes, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+    placed = []
+    for node in nodes:
+        spec = spec_of_leaf(node)
+        if spec is None:
+            placed.append(node)
+            continue
+        value = node.value if is_sharded(node) else node
+        try:
+            check_spec("", tuple(value.shape), spec, mesh)
+        except SpecError:
+            check_tree_specs(tree, specs_of(tree), mesh)  # raises, naming the path
+            raise
+        value = place(value, mesh, spec)
+        placed.append(node.with_value(value) if is_sharded(node) else value)
+    return jax.tree.unflatten(treedef, placed)
 
 
 def gather(tree: PyTree, *, mesh: Mesh | None = None, device: Any = None) -> PyTree:

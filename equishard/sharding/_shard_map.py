@@ -16,12 +16,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._errors import SpecError
 from ..core._collectives import varying_axes
-from ._place import _map_with_specs, place
+from ._place import _map_with_specs, is_tracer, place
 from ._specs import (
     check_tree_specs,
     describe_mesh,
@@ -235,9 +235,19 @@ def filter_shard_map(
             check_tree_specs(arg, kwarg_specs[name], mesh, what="argument", prefix=name)
 
         specs = (arg_specs, kwarg_specs)
-        placed = _map_with_specs(lambda x, s: place(x, mesh, s), (args, kwargs), specs)
+        # On a mesh of Auto axes `in_specs` lays a traced array out on its way in: only
+        # concrete arrays are placed (a sharding constraint would add nothing but work).
+        auto = all(t == AxisType.Auto for t in mesh.axis_types)
+
+        def put(x: Any, spec: P) -> Any:
+            return x if auto and is_tracer(x) else place(x, mesh, spec)
+
+        placed = _map_with_specs(put, (args, kwargs), specs)
         dynamic, static = eqx.partition(placed, is_array_like)
         record: dict[str, Any] = {"validate": None}
+        needs_carried = out_specs is None or any(
+            s is None for s in jax.tree.leaves(out_specs, is_leaf=_is_spec_or_none)
+        )
         manual = frozenset(axis_names or mesh.axis_names) if check_vma else frozenset()
 
         def body(dyn: Any) -> Any:
@@ -245,9 +255,10 @@ def filter_shard_map(
             out = fn(*call_args, **call_kwargs)
             out_dyn, out_static = eqx.partition(out, is_array_like)
             record["static"] = out_static
-            # Read while the mesh axes are bound: a box fits its spec if its value is
-            # this device's block of the global shape (see `box_fits`).
-            record["carried"] = specs_of(out_dyn)
+            if needs_carried:
+                # Read while the mesh axes are bound: a box fits its spec if its value is
+                # this device's block of the global shape (see `box_fits`).
+                record["carried"] = specs_of(out_dyn)
             if record["validate"] is not None:
                 _check_out_specs(out_dyn, record["validate"], mesh, manual)
             return out_dyn
@@ -263,9 +274,6 @@ def filter_shard_map(
                 axis_names=set(axis_names),
             )(dynamic)
 
-        needs_carried = out_specs is None or any(
-            s is None for s in jax.tree.leaves(out_specs, is_leaf=_is_spec_or_none)
-        )
         if needs_carried:
             # Trace once, abstractly, to learn the outputs' structure and carried specs.
             # With out_specs P() the trace fails (a ValueError from shard_map's
