@@ -1,6 +1,6 @@
 """Trace + lower time of the reference train step: this checkout against an older commit.
 
-    python benchmarks/bench_lowering.py [--baseline 2035ef6] [--repeats 5]
+    python benchmarks/bench_lowering.py [--baseline 2035ef6] [--repeats 5] [--trials 10]
 
 Both versions run in one process, alternating, so machine load affects them alike: the
 older commit's `equishard/` is extracted with `git archive` into a temporary directory
@@ -9,7 +9,10 @@ is a second, independent package). For each, `equishard.report.abstract_train_st
 builds the train step of the `base` preset on `fsdp=4,tp=2` (batch 16 x 256, AdamW,
 clipping at 1.0) from abstract arrays, then traces and lowers it to StableHLO (no XLA
 compilation). Reported per phase (the state's `eval_shape`; `make_train_step` and the
-trace; the lowering), the best of `--repeats` for each, and the ratio of trace + lower.
+trace; the lowering), the best of `--repeats` for each, and the ratio of trace + lower;
+with `--trials K`, that measurement is made K times in a row and each trial's ratio is
+reported (their spread is the measurement's, on a machine whose speed drifts), beside the
+phases' best over all trials.
 Times are the process's CPU time (`time.process_time`): tracing and lowering run on one
 thread, so on a shared machine the CPU time measures their work where wall time would
 also measure the other processes. Writes
@@ -24,6 +27,7 @@ import gc
 import importlib
 import io
 import json
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -106,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="2035ef6", help="the commit to compare against")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=1, help="independent best-of-repeats measurements")
     parser.add_argument("--no-write", dest="write", action="store_false")
     args = parser.parse_args()
     use_simulated_cpu_devices(8)
@@ -113,7 +118,7 @@ def main() -> None:
     times: dict[str, list[dict[str, float]]] = {"equishard": [], "equishard_baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
         import_baseline(args.baseline, Path(tmp))
-        for i in range(args.repeats):
+        for i in range(args.repeats * args.trials):
             order = ["equishard", "equishard_baseline"]
             for package in order if i % 2 == 0 else order[::-1]:
                 gc.collect()
@@ -122,22 +127,31 @@ def main() -> None:
                     times[package].append(lower_once(package))
                 finally:
                     gc.enable()
-    def best(package: str) -> dict[str, float]:
-        runs = times[package]
+
+    def best(runs: list[dict[str, float]]) -> dict[str, float]:
         return {**{k: min(r[k] for r in runs) for k in runs[0]}, "trace + lower": min(r["trace"] + r["lower"] for r in runs)}
 
-    new, old = best("equishard"), best("equishard_baseline")
-    ratio = new["trace + lower"] / old["trace + lower"]
+    def ratio_of(runs_new: list[dict[str, float]], runs_old: list[dict[str, float]]) -> float:
+        return best(runs_new)["trace + lower"] / best(runs_old)["trace + lower"]
+
+    new, old = best(times["equishard"]), best(times["equishard_baseline"])
+    trials = [
+        ratio_of(times["equishard"][t : t + args.repeats], times["equishard_baseline"][t : t + args.repeats])
+        for t in range(0, args.repeats * args.trials, args.repeats)
+    ]
+    ratio = trials[0] if args.trials == 1 else statistics.median(trials)
     out = {
         "environment": {**environment(), "commit": _git("rev-parse", "--short", "HEAD").decode().strip()},
         "baseline_commit": baseline_commit,
         "layout": LAYOUT, "preset": PRESET, "batch": BATCH, "seq_len": SEQ,
-        "repeats": args.repeats, "times_s": times,
-        "best_s": new, "baseline_best_s": old, "ratio": ratio,
+        "repeats": args.repeats, "trials": args.trials, "times_s": times,
+        "best_s": new, "baseline_best_s": old, "ratio": ratio, "trial_ratios": trials,
     }  # fmt: skip
     for name, b in (("this checkout", new), (baseline_commit, old)):
         print(f"{name}: " + ", ".join(f"{k} {v:.3f} s" for k, v in b.items()))
-    print(f"trace + lower, best of {args.repeats}: {ratio:.2f}x the time at {baseline_commit}")
+    if args.trials > 1:
+        print(f"trials (best of {args.repeats} each): " + ", ".join(f"{r:.2f}x" for r in trials))
+    print(f"trace + lower, best of {args.repeats}: {ratio:.2f}x the time at {baseline_commit}" + (f" (median of {args.trials} trials)" if args.trials > 1 else ""))
     if args.write:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "lowering.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -217,17 +217,21 @@ def _apply_if(
     for the whole step (measured: 40 MiB per device on the 5.25 M-parameter GPT at dp=8).
     """
     arrays, static = eqx.partition(model, eqx.is_array)
+    # The branches take and return flat lists: the trees are flattened once here, not
+    # by `cond` for each branch's trace.
+    leaves, treedef = jax.tree.flatten((grads, opt_state, arrays))
+    out_def = jax.tree.structure((arrays, opt_state))
 
-    def apply(operands: Any) -> Any:
-        grads, opt_state, arrays = operands
+    def apply(leaves: list[Any]) -> list[Any]:
+        grads, opt_state, arrays = jax.tree.unflatten(treedef, leaves)
         updates, opt_state = update(grads, opt_state, arrays)
-        return eqx.apply_updates(arrays, updates), opt_state
+        return jax.tree.leaves((eqx.apply_updates(arrays, updates), opt_state))
 
-    def keep(operands: Any) -> Any:
-        _, opt_state, arrays = operands
-        return arrays, opt_state
+    def keep(leaves: list[Any]) -> list[Any]:
+        _, opt_state, arrays = jax.tree.unflatten(treedef, leaves)
+        return jax.tree.leaves((arrays, opt_state))
 
-    arrays, opt_state = jax.lax.cond(ok, apply, keep, (grads, opt_state, arrays))
+    arrays, opt_state = jax.tree.unflatten(out_def, jax.lax.cond(ok, apply, keep, leaves))
     return eqx.combine(arrays, static), opt_state
 
 
