@@ -51,7 +51,9 @@ def vocab_parallel_cross_entropy(
     sum_exp = jnp.sum(jnp.exp(shifted), axis=-1)
     local = labels - start
     mine = (local >= 0) & (local < vocab_local)
-    picked = jnp.take_along_axis(shifted, jnp.clip(local, 0, vocab_local - 1)[..., None], axis=-1)[..., 0]
+    # The clipped index is in bounds: promised so, the gather needs no mask of its own.
+    index = jnp.clip(local, 0, vocab_local - 1)[..., None]
+    picked = jnp.take_along_axis(shifted, index, axis=-1, mode="promise_in_bounds")[..., 0]
     # The target logit, on the device that holds it; zero elsewhere.
     target = jnp.where(mine, picked, jnp.zeros((), picked.dtype))
     if bound:

@@ -182,7 +182,8 @@ class ParallelEmbedding(eqx.Module):
         local = ids - start
         mine = (local >= 0) & (local < rows)
         # f32[V/n, D][clip(ids - start)] -> f32[..., D], zero where the id is elsewhere
-        out = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
+        # ("clip": the gather clamps the index, without the default mode's mask)
+        out = jnp.take(table, local, axis=0, mode="clip")
         out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
         out = self._mask_padding(ids, out)
         # f32[..., D], replicated (zero without LoRA)
