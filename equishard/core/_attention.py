@@ -156,8 +156,9 @@ def _select(pred: Array, x: Array, fill: float) -> Array:
     return jax.lax.select(jnp.broadcast_to(pred, x.shape), x, jax.lax.full_like(x, fill))
 
 
-def _dense(c: _Canon, causal: bool, scale: float) -> tuple[Array, Array]:
-    """Dense attention on the canonical layout: (f32[B, Sq, Hkv, G, D], f32[B, Sq, Hkv, G])."""
+def _dense(c: _Canon, causal: bool, scale: float, *, with_lse: bool = True) -> tuple[Array, Array | None]:
+    """Dense attention on the canonical layout: (f32[B, Sq, Hkv, G, D], f32[B, Sq, Hkv, G]);
+    the log-sum-exp `None` without `with_lse` (not traced when no caller reads it)."""
     # [B, Sq, Hkv, G, D] x [B, Sk, Hkv, D] -> f32[B, Hkv, G, Sq, Sk]
     s = jnp.einsum("bqhgd,bkhd->bhgqk", c.q, c.k, preferred_element_type=jnp.float32) * scale
     mask = _mask(c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, c.kv_valid, causal)[:, None, None]
@@ -168,10 +169,12 @@ def _dense(c: _Canon, causal: bool, scale: float) -> tuple[Array, Array]:
     l = jnp.sum(p, axis=-1)
     seen = l > 0  # bool[B, Hkv, G, Sq]: the query sees some key
     l = _select(seen, l, 1.0)
-    lse = _select(seen, jnp.log(l) + m[..., 0], -jnp.inf)
     p = p / l[..., None]
     # f32[B, Hkv, G, Sq, Sk] x [B, Sk, Hkv, D] -> f32[B, Sq, Hkv, G, D]
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(c.v.dtype), c.v, preferred_element_type=jnp.float32)
+    if not with_lse:
+        return out, None
+    lse = _select(seen, jnp.log(l) + m[..., 0], -jnp.inf)
     return out, jnp.moveaxis(lse, -1, 1)
 
 
@@ -401,12 +404,14 @@ def _check_block(name: str, what: str, size: int) -> None:
         raise LayerConfigError(f"{name}: {what} must be a positive int, got {size!r}.")
 
 
+def _out_from_canonical(out: Array, q: Array) -> Array:
+    """f32[B, Sq, Hkv, G, D] -> [..., Sq, H, D] in q's dtype."""
+    return out[:, : q.shape[-3]].reshape(q.shape).astype(q.dtype)
+
+
 def _from_canonical(out: Array, lse: Array, q: Array) -> tuple[Array, Array]:
     """(f32[B, Sq, Hkv, G, D], f32[B, Sq, Hkv, G]) -> ([..., Sq, H, D] in q's dtype, f32[..., Sq, H])."""
-    sq = q.shape[-3]
-    out = out[:, :sq].reshape(q.shape).astype(q.dtype)
-    lse = lse[:, :sq].reshape(q.shape[:-1])
-    return out, lse
+    return _out_from_canonical(out, q), lse[:, : q.shape[-3]].reshape(q.shape[:-1])
 
 
 def dense_attention(
@@ -443,9 +448,19 @@ def dense_attention(
     log-sum-exp of each query row's scores (`-inf` for a row that sees no key, whose
     output is zero).
     """
-    c = _canonical("dense_attention", q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    out, lse = _dense(c, causal, _scale(scale, q.shape[-1]))
-    return _from_canonical(out, lse, q)
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    out, lse = _dense_attention(q, k, v, causal, scale, masks, with_lse=True)
+    assert lse is not None
+    return out, lse
+
+
+def _dense_attention(
+    q: Array, k: Array, v: Array, causal: bool, scale: float | None, masks: tuple[Any, ...], *, with_lse: bool
+) -> tuple[Array, Array | None]:
+    """`dense_attention`; its log-sum-exp `None` without `with_lse`."""
+    c = _canonical("dense_attention", q, k, v, *masks)
+    out, lse = _dense(c, causal, _scale(scale, q.shape[-1]), with_lse=with_lse)
+    return (_out_from_canonical(out, q), None) if lse is None else _from_canonical(out, lse, q)
 
 
 def blockwise_attention(
@@ -611,7 +626,8 @@ def attention(
         )
         return out.reshape(q.shape)
     if implementation == "dense":
-        return dense_attention(q, k, v, causal=causal, scale=scale, **masks)[0]
+        # The output alone: the log-sum-exp is not traced.
+        return _dense_attention(q, k, v, causal, scale, tuple(masks.values()), with_lse=False)[0]
     return blockwise_attention(
         q, k, v, causal=causal, scale=scale, q_block_size=block_size, kv_block_size=block_size, **masks
     )[0]
