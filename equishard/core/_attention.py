@@ -156,9 +156,10 @@ def _select(pred: Array, x: Array, fill: float) -> Array:
     return jax.lax.select(jnp.broadcast_to(pred, x.shape), x, jax.lax.full_like(x, fill))
 
 
-def _dense(c: _Canon, causal: bool, scale: float, *, with_lse: bool = True) -> tuple[Array, Array | None]:
-    """Dense attention on the canonical layout: (f32[B, Sq, Hkv, G, D], f32[B, Sq, Hkv, G]);
-    the log-sum-exp `None` without `with_lse` (not traced when no caller reads it)."""
+def _dense(c: _Canon, causal: bool, scale: float) -> tuple[Array, tuple[Array, Array, Array]]:
+    """Dense attention on the canonical layout: f32[B, Sq, Hkv, G, D], and the row
+    statistics `_dense_lse` takes (left to it, so a caller that does not read the
+    log-sum-exp does not trace it)."""
     # [B, Sq, Hkv, G, D] x [B, Sk, Hkv, D] -> f32[B, Hkv, G, Sq, Sk]
     s = jnp.einsum("bqhgd,bkhd->bhgqk", c.q, c.k, preferred_element_type=jnp.float32) * scale
     mask = _mask(c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, c.kv_valid, causal)[:, None, None]
@@ -172,10 +173,12 @@ def _dense(c: _Canon, causal: bool, scale: float, *, with_lse: bool = True) -> t
     p = p / l[..., None]
     # f32[B, Hkv, G, Sq, Sk] x [B, Sk, Hkv, D] -> f32[B, Sq, Hkv, G, D]
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(c.v.dtype), c.v, preferred_element_type=jnp.float32)
-    if not with_lse:
-        return out, None
-    lse = _select(seen, jnp.log(l) + m[..., 0], -jnp.inf)
-    return out, jnp.moveaxis(lse, -1, 1)
+    return out, (seen, l, m)
+
+
+def _dense_lse(seen: Array, l: Array, m: Array) -> Array:
+    """`_dense`'s log-sum-exp, f32[B, Sq, Hkv, G] (-inf for a row that sees no key)."""
+    return jnp.moveaxis(_select(seen, jnp.log(l) + m[..., 0], -jnp.inf), -1, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -448,19 +451,9 @@ def dense_attention(
     log-sum-exp of each query row's scores (`-inf` for a row that sees no key, whose
     output is zero).
     """
-    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    out, lse = _dense_attention(q, k, v, causal, scale, masks, with_lse=True)
-    assert lse is not None
-    return out, lse
-
-
-def _dense_attention(
-    q: Array, k: Array, v: Array, causal: bool, scale: float | None, masks: tuple[Any, ...], *, with_lse: bool
-) -> tuple[Array, Array | None]:
-    """`dense_attention`; its log-sum-exp `None` without `with_lse`."""
-    c = _canonical("dense_attention", q, k, v, *masks)
-    out, lse = _dense(c, causal, _scale(scale, q.shape[-1]), with_lse=with_lse)
-    return (_out_from_canonical(out, q), None) if lse is None else _from_canonical(out, lse, q)
+    c = _canonical("dense_attention", q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    out, stats = _dense(c, causal, _scale(scale, q.shape[-1]))
+    return _from_canonical(out, _dense_lse(*stats), q)
 
 
 def blockwise_attention(
@@ -627,7 +620,8 @@ def attention(
         return out.reshape(q.shape)
     if implementation == "dense":
         # The output alone: the log-sum-exp is not traced.
-        return _dense_attention(q, k, v, causal, scale, tuple(masks.values()), with_lse=False)[0]
+        c = _canonical("dense_attention", q, k, v, *masks.values())
+        return _out_from_canonical(_dense(c, causal, _scale(scale, q.shape[-1]))[0], q)
     return blockwise_attention(
         q, k, v, causal=causal, scale=scale, q_block_size=block_size, kv_block_size=block_size, **masks
     )[0]
