@@ -3,12 +3,14 @@ sharded computation against its single-device self on several layouts."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -51,6 +53,26 @@ def fast_jit(fn: Callable) -> Callable:
         return eqx.combine(arrays, rest[0])
 
     return call
+
+
+def subjaxprs(eqn: Any) -> Any:
+    """The jaxprs in an equation's parameters (a scan's body, a `cond`'s branches, ...)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def primitive_counts(jaxpr: Any) -> collections.Counter[str]:
+    """How many equations of each primitive `jaxpr` holds, its nested jaxprs' included."""
+    counts: collections.Counter[str] = collections.Counter()
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for sub in subjaxprs(eqn):
+            counts += primitive_counts(sub)
+    return counts
 
 
 def _norm(x) -> float:

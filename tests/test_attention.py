@@ -34,7 +34,7 @@ from equishard.core import (
 )
 from equishard.report import memory_stats
 
-from .helpers import BF16_RTOL, FP32_RTOL, assert_tree_allclose, rel_err
+from .helpers import BF16_RTOL, FP32_RTOL, assert_tree_allclose, rel_err, subjaxprs
 
 
 def reference_attention(q, k, v, *, causal=True, q_pos=None, kv_pos=None, q_seg=None, kv_seg=None):
@@ -460,20 +460,11 @@ def _ring_bodies(jaxpr) -> list:
     """The bodies of the scans that contain a ppermute (the ring loops), found recursively."""
     found = []
     for eqn in jaxpr.eqns:
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             if eqn.primitive.name == "scan" and any(e.primitive.name == "ppermute" for e in sub.eqns):
                 found.append(sub)
             found.extend(_ring_bodies(sub))
     return found
-
-
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jax.extend.core.Jaxpr):
-                yield v
 
 
 def test_ring_transfer_does_not_wait_for_compute():

@@ -896,6 +896,7 @@ def _scanned_fwd(perturbed: Any, diff: Any, static: PyTree, args: tuple[Any, ...
         operands = operands_of((layer, x))
         anchor = _anchor(operands[1:])
         traced, flat = _trace_call(operands, anchor, config)
+        traced = _Traced(_replay.unnamed(traced.closed), traced.operands, traced.out)
         if not _replay.replayable(traced.closed.jaxpr, config.axis_name):
             raise LayerConfigError(
                 "scan_units: a layer's call has a collective over an axis other than "

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import core, source_info_util
+from jax._src.ad_checkpoint import name_p
 from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
@@ -72,6 +73,33 @@ def replayable(jaxpr: core.Jaxpr, axis_name: str) -> bool:
         if any(_has_kept(sub, axis_name) for sub in core.jaxprs_in_params(eqn.params)):
             return False
     return True
+
+
+def unnamed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """`closed` without its `checkpoint_name` marks and its dead equations (the same
+    inputs and outputs).
+
+    A name only tells a `jax.checkpoint` policy what to save. Inside custom rules that
+    no policy sees into (`scan_units`'), it is an identity that each pass over the jaxpr
+    (its run, the backward's linearisation and transpose, the lowering) would handle
+    again; so is an equation whose result nothing reads (an axis probe's `axis_index`).
+    """
+    jaxpr = closed.jaxpr
+    alias: dict[core.Var, Any] = {}
+
+    def read(v: Any) -> Any:
+        return alias.get(v, v) if isinstance(v, core.Var) else v
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        invars = [read(v) for v in eqn.invars]
+        if eqn.primitive is name_p:
+            alias[eqn.outvars[0]] = invars[0]
+        else:
+            eqns.append(eqn.replace(invars=invars))
+    outvars = [read(v) for v in jaxpr.outvars]
+    jaxpr, _ = pe.dce_jaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), [True] * len(outvars), instantiate=True)
+    return core.ClosedJaxpr(jaxpr, closed.consts)
 
 
 def _replayed(eqn: core.JaxprEqn, params: dict[str, Any]) -> Callable[..., Any]:
