@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +99,8 @@ def unnamed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
             eqns.append(eqn.replace(invars=invars))
     outvars = [read(v) for v in jaxpr.outvars]
     jaxpr, _ = pe.dce_jaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), [True] * len(outvars), instantiate=True)
-    return core.ClosedJaxpr(jaxpr, closed.consts)
+    # Newer JAX has no `ClosedJaxpr`: a jaxpr holds its constants (and is its own `.jaxpr`).
+    return cast(core.ClosedJaxpr, jaxpr) if closed.jaxpr is closed else closed.replace(jaxpr=jaxpr)
 
 
 def _replayed(eqn: core.JaxprEqn, params: dict[str, Any]) -> Callable[..., Any]:
