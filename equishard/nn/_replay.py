@@ -100,7 +100,7 @@ def unnamed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     outvars = [read(v) for v in jaxpr.outvars]
     jaxpr, _ = pe.dce_jaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), [True] * len(outvars), instantiate=True)
     # Newer JAX has no `ClosedJaxpr`: a jaxpr holds its constants (and is its own `.jaxpr`).
-    return cast(core.ClosedJaxpr, jaxpr) if closed.jaxpr is closed else closed.replace(jaxpr=jaxpr)
+    return cast("core.ClosedJaxpr", jaxpr) if closed.jaxpr is closed else closed.replace(jaxpr=jaxpr)
 
 
 def _replayed(eqn: core.JaxprEqn, params: dict[str, Any]) -> Callable[..., Any]:
