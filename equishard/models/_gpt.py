@@ -85,6 +85,15 @@ class GPTConfig:
       Not with a pipeline axis (its micro-batches split the batch already) or MoE
       layers (their auxiliary losses are over the whole batch). The parameters and
       checkpoints are the same for every value.
+    - `scan_unroll`: how many layers each iteration of the layer scan runs
+      (`jax.lax.scan`'s `unroll`; `n_layers` unrolls the stack into straight-line code).
+      `"auto"` (the default) unrolls the whole stack when JAX's default backend is a GPU
+      and runs a loop of one layer an iteration elsewhere: on an H200 the 124 M GPT's bf16
+      step at 16 x 1024 ran 1.35x faster unrolled with 34 % less memory (XLA:GPU keeps the
+      loop's stacked residuals and slices as separate copies), while on the CPU and TPU
+      a loop compiles in a time that does not grow with depth. The same values either
+      way. The FSDP units' own scan (regathering units without a remat policy) runs one
+      layer an iteration whatever this is.
     """
 
     vocab_size: int = 256
@@ -105,6 +114,7 @@ class GPTConfig:
     remat: Literal["none", "full", "dots", "minimal", "minimal_with_context"] = "none"
     remat_offload: bool = False
     batch_chunks: int = 1
+    scan_unroll: int | Literal["auto"] = "auto"
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -212,6 +222,13 @@ def _remat(fn: Any, config: GPTConfig) -> Any:
     return fn if policy is None else eqx.filter_checkpoint(fn, policy=policy)
 
 
+def _unroll(config: GPTConfig) -> int:
+    """The layer scan's `unroll`: `config.scan_unroll`, with `"auto"` resolved (see `GPTConfig`)."""
+    if config.scan_unroll != "auto":
+        return config.scan_unroll
+    return config.n_layers if jax.default_backend() == "gpu" else 1
+
+
 def _check(config: GPTConfig, par: Parallelism) -> None:
     k = max(config.moe_every, 1)
     if config.n_layers % k:
@@ -219,6 +236,10 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
             f"GPT: n_layers={config.n_layers} is not divisible by moe_every={config.moe_every}."
         )
     remat_policy(config.remat, offload=config.remat_offload)  # raises for a bad name
+    if config.scan_unroll != "auto" and config.scan_unroll < 1:
+        raise LayerConfigError(
+            f"GPT: scan_unroll={config.scan_unroll!r} must be 'auto' or at least 1."
+        )
     if config.batch_chunks < 1:
         raise LayerConfigError(f"GPT: batch_chunks={config.batch_chunks} must be at least 1.")
     if config.batch_chunks > 1 and par.pipeline:
@@ -419,7 +440,7 @@ class GPT(eqx.Module):
             if as_one:
                 x, aux = scan_units(params, static, x, positions)
             else:
-                x, aux = jax.lax.scan(body, x, params)
+                x, aux = jax.lax.scan(body, x, params, unroll=_unroll(self.config))
             return x, jax.tree.map(lambda a: a.sum(0), aux)
 
         chunks = self.config.batch_chunks
