@@ -165,7 +165,7 @@ def _verdict(report: Any, device_memory: int | None, width: int | None) -> str:
     if report.minimum is not None:
         parts.append(
             f"collectives {human_bytes(report.collective_bytes)} per device per step, "
-            f"{report.ratio:.3f} x the analytical minimum ({human_bytes(report.minimum.total)})"
+            f"{report.ratio_text} x the analytical minimum ({human_bytes(report.minimum.total)})"
         )
     else:
         parts.append(f"collectives {human_bytes(report.collective_bytes)} per device per step")
@@ -244,7 +244,7 @@ def _plan(args: argparse.Namespace) -> int:
         lines.append(
             f"collectives: {human_bytes(report.collective_bytes)} per device per step, "
             f"analytical minimum {human_bytes(report.minimum.total)} "
-            f"(ratio {report.ratio:.3f})"
+            f"(ratio {report.ratio_text})"
         )
     print("\nEstimate (from the XLA:CPU compiler, which compiled but never ran the step):")
     for line in lines:

@@ -153,6 +153,16 @@ class StepReport:
             return None
         return self.collective_bytes / self.minimum.total
 
+    @property
+    def ratio_text(self) -> str:
+        """`ratio` as printed: three decimals, or why there is none (one device sends nothing)."""
+        ratio = self.ratio
+        if ratio is not None:
+            return f"{ratio:.3f}"
+        if self.minimum is not None and not self.collective_bytes:
+            return "- (nothing to send)"
+        return "- (no minimum)"
+
     def bytes_by_axes(self) -> dict[tuple[str, ...] | None, float]:
         """Measured bytes summed per set of mesh axes."""
         out: dict[tuple[str, ...] | None, float] = {}
@@ -299,11 +309,10 @@ def format_report(r: StepReport, width: int | None = None) -> str:
     if r.minimum is not None:
         out += ["", "Analytical minimum (see equishard.report's documentation for each formula):"]
         out.append(format_minimum(r.minimum, width))
-        ratio = r.ratio
         ideal = r.collective_bytes / r.minimum.ideal_total if r.minimum.ideal_total else math.nan
         out.append(fill(
             f"measured {human_bytes(r.collective_bytes)} / minimum {human_bytes(r.minimum.total)} "
-            f"= {ratio:.3f}"
+            f"= {r.ratio_text}"
             + (f" (over the bubble-free textbook figure: {ideal:.3f})" if r.minimum.ideal_total != r.minimum.total else ""),
             width,
         ))  # fmt: skip
