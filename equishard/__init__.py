@@ -5,7 +5,13 @@ The top level exports the sharding floor; `equishard.core`, `equishard.nn`,
 public namespaces.
 """
 
-from . import core as core, distributed as distributed, nn as nn, sharding as sharding
+from . import (
+    _env as _env,  # checks JAX's environment variables before JAX reads them
+    core as core,
+    distributed as distributed,
+    nn as nn,
+    sharding as sharding,
+)
 from ._errors import (
     CheckpointError as CheckpointError,
     ConventionError as ConventionError,

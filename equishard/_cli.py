@@ -29,21 +29,65 @@ def _use_cpu_devices(n: int) -> None:
     """
     import jax
 
-    if getattr(jax.config, "jax_num_cpu_devices") == n:
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass
+    if getattr(jax.config, "jax_num_cpu_devices") != n:
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass
+    check_platforms()
+
+
+MAX_DEVICES = 65536
+"""The most devices a command simulates (`--devices`): a typo must not take the machine's
+memory (the simulated devices and the compiled program grow with it)."""
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    """Refuse counts below 1 before any command starts JAX or a process."""
+    """Refuse device counts below 1 or above `MAX_DEVICES` before any command starts JAX
+    or a process."""
     from ._errors import EquishardError
 
     devices = getattr(args, "devices", None)
     if devices is not None and devices < 1:
         raise EquishardError(f"--devices must be at least 1, got {devices}.")
+    if devices is not None and devices > MAX_DEVICES:
+        raise EquishardError(f"--devices {devices} is more than the {MAX_DEVICES} devices equishard simulates at most.")
+
+
+def check_platforms() -> None:
+    """Refuse a `JAX_PLATFORMS` this machine has no backend for, naming the variable and
+    the backends it has (call it once JAX's options are set: it starts the backends).
+
+    **Raises:**
+
+    `EquishardError` with one line.
+    """
+    import os
+
+    import jax
+
+    from ._errors import EquishardError
+
+    wanted = os.environ.get("JAX_PLATFORMS", "").strip()
+    if not wanted:
+        return
+    missing = []
+    for name in (n.strip() for n in wanted.split(",") if n.strip()):
+        try:
+            jax.devices(name)
+        except (RuntimeError, AssertionError):  # an unknown backend, or none could start
+            missing.append(name)
+    if missing:
+        before = getattr(jax.config, "jax_platforms")
+        jax.config.update("jax_platforms", None)  # what the machine has, to say so
+        try:
+            have = sorted({d.platform for d in jax.devices()})
+        finally:
+            jax.config.update("jax_platforms", before)
+        raise EquishardError(
+            f"JAX_PLATFORMS={wanted}: this machine has no {', '.join(missing)} backend (it "
+            f"has: {', '.join(have)}); unset JAX_PLATFORMS or name one of those."
+        )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -96,6 +140,7 @@ def _train(args: argparse.Namespace) -> int:
 
     if is_launched():  # one of several processes (`equishard launch`): join them first
         initialize()
+        check_platforms()
     else:
         _use_cpu_devices(args.devices)
     from ._app import TrainConfig, run
@@ -104,6 +149,17 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     run(config)
     return 0
+
+
+def _clip_norm(text: str) -> float | None:
+    """`--clip-norm`: a number, `0` or `none` (no clipping, as in nanoGPT)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (or none)") from None
+    return None if value == 0 else value
 
 
 def _add_train(sub: Any) -> argparse.ArgumentParser:
@@ -136,6 +192,9 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save a checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any layout)")
     p.add_argument("--resume-step", type=int, default=None, help="continue from this checkpoint step instead of the latest (implies --resume)")
+    p.add_argument("--overwrite", action="store_true", help="start anew in a --run-dir that holds an earlier run: its files (checkpoints included) are moved into <run-dir>/previous-<UTC time>/, nothing is deleted")
+    p.add_argument("--require-verified", action="store_true", help="refuse to resume a checkpoint that carries no checksums (saved with --no-verify-checkpoints); without it such a step is restored with a warning")
+    p.add_argument("--clip-norm", type=_clip_norm, default=d.clip_norm, help="clip the gradient to this global norm; 0 or none: no clipping")
     p.add_argument("--max-skipped-steps", type=int, default=d.max_skipped_steps, help="stop with an error after this many consecutive steps skipped as non-finite")
     p.add_argument("--no-verify-checkpoints", dest="verify_checkpoints", action="store_false", help="neither record nor check the arrays' checksums in checkpoints")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation and of the data order")
@@ -199,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._errors import EquishardError
 
     try:
+        from ._env import check_jax_environment
+
+        check_jax_environment()  # again: the variable may have changed since the import
         if args.command == "train" and args.config is not None:
             args = _apply_config(train, argv, args)
             args.command = "train"
@@ -208,6 +270,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A clear one-paragraph message, no traceback from inside JAX.
         print(f"equishard {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"equishard {args.command}: error: interrupted (Ctrl-C){_last_step(args)}.", file=sys.stderr)
+        return 2
+
+
+def _last_step(args: argparse.Namespace) -> str:
+    """Where an interrupted `train` can resume from: its last complete checkpoint."""
+    import pathlib
+
+    if args.command != "train":
+        return ""
+    from .train._checkpoint import committed_steps
+
+    directory = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.run_dir) / "checkpoints")
+    steps = committed_steps(directory)
+    if not steps:
+        return f"; no complete checkpoint in {directory}"
+    return f"; the last complete checkpoint is step {steps[-1]} in {directory} (--resume continues from it)"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from equishard._app import Run, TrainConfig
+from equishard._app._metrics import read_metrics
 from equishard._cli import main
 from equishard.models._gpt import canonical_path
 from equishard.train import Checkpointer
@@ -35,8 +35,9 @@ def _train(tmp: pathlib.Path, name: str, *extra: str) -> int:
 
 
 def _rows(run_dir: pathlib.Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len({r["step"] for r in rows}) == len(rows)
+    return {r["step"]: r["loss"] for r in rows}
 
 
 def _final_arrays(checkpoints: pathlib.Path, layout: str) -> list[np.ndarray]:
@@ -88,6 +89,43 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     assert _train(tmp_path, "b", "--resume") == 0
     for x, y in zip(_final_arrays(b / "checkpoints", LAYOUT), _final_arrays(a / "checkpoints", LAYOUT)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_sigterm_saves_a_step_and_the_resume_sees_every_step_once(uninterrupted, tmp_path, capsys):
+    """SIGTERM at step 5 of a run: it saves that step and exits 0 with one line. A row
+    cut short (a write killed mid-line) is appended as a later fault would leave it. The
+    resume (no --no-progress: its stderr is no terminal, so no bar) appends a marker
+    and continues the uninterrupted curve exactly; the file's earlier bytes are kept,
+    and its reader sees every step once."""
+    run = tmp_path / "term"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "equishard", "train", *ARGS, "--layout", LAYOUT, "--run-dir", str(run), "--log-every", "1"]
+    cmd += ["--checkpoint-every", "100"]  # neutral: fewer saves, the same curve
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    for line in child.stdout:  # a hang guard is the child's own end: it reaches step 24
+        if line.startswith(f"step  5/{STEPS}"):
+            child.send_signal(signal.SIGTERM)
+            break
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-3000:]
+    stopped = [x for x in out.splitlines() if "received SIGTERM" in x]
+    assert len(stopped) == 1 and "Traceback" not in err, out[-2000:]
+    last = int(re.search(r"stopped after step (\d+) of", stopped[0]).group(1))
+    assert 5 <= last < STEPS
+    with Checkpointer(run / "checkpoints") as ckpt:
+        assert ckpt.latest_step() == last
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": %d, "loss": 0.0, "grad' % (last + 1))
+    before = (run / "metrics.jsonl").read_bytes()
+    argv = [x for x in ARGS if x != "--no-progress"]
+    capsys.readouterr()
+    assert main(["train", *argv, "--layout", LAYOUT, "--run-dir", str(run), "--resume", "--log-every", "1", "--checkpoint-every", "100"]) == 0
+    out, err = capsys.readouterr()
+    assert "train:" not in err and "it/s" not in err and f"step {STEPS}/{STEPS}" in out
+    assert (run / "metrics.jsonl").read_bytes()[: len(before)] == before
+    assert f'{{"step": {last}, "resumed": true' in (run / "metrics.jsonl").read_text()
+    assert _rows(run) == _rows(uninterrupted / "a")  # steps 1..24, each once, bit-equal
 
 
 def test_a_context_parallel_run_continues_the_curve_and_resumes_without_cp(uninterrupted, tmp_path):
@@ -166,8 +204,8 @@ def test_checkpoint_of_a_different_model(uninterrupted, tmp_path, capsys):
 def test_a_good_checkpoint_is_never_written_over(uninterrupted, capsys):
     checkpoints = uninterrupted / "a" / "checkpoints"
     before = {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")}
-    assert _train(uninterrupted, "a") == 2  # a fresh run into a directory that has checkpoints
-    assert "already holds checkpoints" in _error(capsys)
+    assert _train(uninterrupted, "a") == 2  # a fresh run into a directory that has a run
+    assert "holds an earlier equishard run" in _error(capsys)
     assert {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")} == before
 
 

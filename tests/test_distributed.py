@@ -7,7 +7,6 @@ simulated devices serve only the single-process reference runs.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -88,7 +87,9 @@ def _pids(log: pathlib.Path) -> list[int] | None:
 
 
 def _losses(run_dir: pathlib.Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from equishard._app._metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")  # a resumed run's, as its readers see it
     steps = [r["step"] for r in rows if "loss" in r]
     assert len(steps) == len(set(steps)), f"metrics.jsonl repeats steps: {steps}"
     return {r["step"]: r["loss"] for r in rows if "loss" in r}

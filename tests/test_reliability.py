@@ -355,6 +355,12 @@ def _one_line_error(capsys):
         (["--lr", "nan"], "--lr must be a finite number above 0, got nan"),
         (["--lr", "inf"], "--lr must be a finite number above 0, got inf"),
         (["--max-skipped-steps", "0"], "--max-skipped-steps must be at least 1, got 0"),
+        (["--pipeline-schedule", "1f1b", "--microbatches", "2"], "--pipeline-schedule, --microbatches apply only to a pipeline, and the layout 'dp=2,fsdp=2,tp=2' has no pp axis"),
+        (["--pipeline-repeats", "2"], "--pipeline-repeats apply only to a pipeline"),
+        (["--clip-norm", "-1"], "--clip-norm must be a finite number above 0, or 0 / none for no clipping, got -1.0"),
+        (["--steps", "3000000000"], "--steps 3000000000 is more than the 2147483647 a run's int32 counters hold"),
+        (["--steps", "2000000000"], "--steps 2000000000 x --batch-size 8 samples is more than the 2147483647"),
+        (["--require-verified", "--no-verify-checkpoints"], "--require-verified and --no-verify-checkpoints exclude each other"),
     ],
 )
 def test_bad_train_options_are_refused(argv, message, tmp_path, capsys):
@@ -371,6 +377,7 @@ def test_bad_train_options_are_refused(argv, message, tmp_path, capsys):
         (["plan", "--model", "tiny", "--layout", "dp=2", "--devices", "0"], "--devices must be at least 1, got 0"),
         (["inspect", "--model", "tiny", "--layout", "pp=2,dp=4", "--pipeline-repeats", "0"], "must be at least 1, got 0"),
         (["launch", "-n", "2", "--", "/missing/program"], "cannot launch '/missing/program': no such program"),
+        (["plan", "--model", "tiny", "--layout", "dp=2", "--devices", "100000000"], "--devices 100000000 is more than the 65536 devices equishard simulates at most"),
     ],
 )
 def test_bad_options_of_the_other_commands(argv, message, capsys):
@@ -613,3 +620,225 @@ def test_adafactor_factored_moments_still_fall_back_to_replicated():
     state = optax.adafactor(1e-3, min_dim_size_to_factor=32).init(params)
     specs = jax.tree.leaves(es.specs_of(state), is_leaf=lambda s: isinstance(s, P))
     assert P() in specs  # the factored row/column moments do not fit P("tp"): replicated
+
+
+# ---------------------------------------------------------------------------------------
+# A run directory is one run's; what a resume reads back; the environment
+# ---------------------------------------------------------------------------------------
+
+
+def _snapshot(directory):
+    """Every file under `directory` with its bytes (to assert nothing was changed)."""
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_a_run_directory_is_one_runs(nan_run, tmp_path, capsys):
+    """An unmarked non-empty directory and another run's are refused, files unchanged;
+    a lock held by a live process is refused naming it; --overwrite with --resume too."""
+    from equishard._app._rundir import LOCK
+    from equishard._cli import main
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.toml").write_text("# my own\n")
+    (mine / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _snapshot(mine)
+    assert main([*TRAIN, "--run-dir", str(mine)]) == 2
+    assert "is not empty (config.toml, metrics.jsonl) and holds no equishard run" in _one_line_error(capsys)
+    assert _snapshot(mine) == before
+
+    run = tmp_path / "run"
+    shutil.copytree(nan_run[0], run)
+    before = _snapshot(run)
+    assert main([*TRAIN, "--run-dir", str(run), "--checkpoint-dir", str(tmp_path / "other")]) == 2
+    assert "holds an earlier equishard run" in _one_line_error(capsys)
+    assert main([*TRAIN, "--run-dir", str(run), "--resume", "--overwrite"]) == 2
+    assert "--overwrite and --resume exclude each other" in _one_line_error(capsys)
+    (run / LOCK).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "started": "then"}))
+    assert main([*TRAIN, "--run-dir", str(run), "--resume"]) == 2
+    assert f"is in use by another run (pid {os.getpid()} on host {os.uname().nodename}" in _one_line_error(capsys)
+    (run / LOCK).unlink()
+    assert _snapshot(run) == before
+
+
+def test_a_stale_lock_is_taken_over_and_overwrite_moves_the_run_aside(nan_run, tmp_path):
+    from equishard._app._rundir import LOCK, MARKER, RunLock, claim
+
+    run = tmp_path / "run"
+    shutil.copytree(nan_run[0], run)
+    before = _snapshot(run)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (run / LOCK).write_text(json.dumps({"pid": int(gone.stdout), "host": os.uname().nodename}))
+    notes = []
+    lock = claim(run, run / "checkpoints", resume=False, overwrite=True, print_fn=notes.append)
+    assert f"taking over the stale lock of {run} (pid {int(gone.stdout)}" in notes[0]
+    assert "--overwrite: moved 4 file(s) of the earlier run into" in notes[1]
+    with pytest.raises(es.CheckpointError, match="in use by another run"):
+        RunLock(run, notes.append)  # held now
+    lock.release()
+    assert sorted(p.name for p in run.iterdir()) == sorted([MARKER, notes[1].split("/")[-1]])
+    previous = run / notes[1].split("/")[-1]
+    assert previous.name.startswith("previous-")
+    assert _snapshot(previous) == {k: v for k, v in before.items() if k.parts[0] != MARKER}
+
+
+def _edit_meta(run, step, edit):
+    path = run / "checkpoints" / str(step) / "meta" / "metadata"
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+def test_a_resume_warns_of_an_unverified_step_and_refuses_a_newer_format(nan_run, tmp_path, capsys):
+    from equishard._cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(nan_run[0], run)
+    _edit_meta(run, 2, lambda r: [a.pop("checksum") for a in r["arrays"]])
+    argv = [*TRAIN, "--steps", "2", "--run-dir", str(run), "--resume"]
+    assert main([*argv, "--require-verified"]) == 2
+    message = _one_line_error(capsys)
+    assert "--require-verified: the checkpoint at step 2" in message and "carries no checksums" in message
+    assert main(argv) == 2  # warned, then: nothing left to train at step 2
+    out, err = capsys.readouterr()
+    assert "warning: the checkpoint at step 2" in out and "restored unverified" in out
+    assert "nothing is left to train" in err
+    _edit_meta(run, 2, lambda r: r.update(format_version=99))
+    assert main(argv) == 2
+    message = _one_line_error(capsys)
+    assert "has checkpoint format version 99 (written by equishard" in message
+    assert "newer than the version 1 this equishard reads" in message
+
+
+def test_what_a_resume_reads_back_is_refused_in_one_line(nan_run, tmp_path, capsys, monkeypatch):
+    """A binary metrics.jsonl, a config file that is not UTF-8 or is a directory, an
+    oversized integer, an option spelled twice; a full disk writing config.toml; Ctrl-C.
+    Each: exit 2, one line, the files as they were."""
+    from equishard._app import _run
+    from equishard._cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(nan_run[0], run)
+    (run / "metrics.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    before = _snapshot(run)
+    assert main([*TRAIN, "--steps", "3", "--run-dir", str(run), "--resume"]) == 2
+    assert "metrics.jsonl is not a metrics log: byte 0 is not UTF-8" in _one_line_error(capsys)
+    assert _snapshot(run) == before
+
+    config = tmp_path / "bad.toml"
+    for content, message in [
+        (b"steps = 3\n\xff\xfe", "not UTF-8 text (byte 10)"),
+        (b"steps = 99999999999999999999\n", "steps = 99999999999999999999 is too large"),
+        (b"batch_size = 8\nbatch-size = 16\n", "'batch_size' and 'batch-size' are the same option"),
+        (b"clip_norm = -1.0\n", "--clip-norm must be a finite number above 0, or 0 / none"),
+    ]:
+        config.write_bytes(content)
+        assert main([*TRAIN, "--config", str(config), "--run-dir", str(tmp_path / "x")]) == 2
+        assert message in _one_line_error(capsys)
+    assert main([*TRAIN, "--config", str(tmp_path), "--run-dir", str(tmp_path / "x")]) == 2
+    assert "cannot read it (Is a directory)" in _one_line_error(capsys)
+
+    fsync = os.fsync
+
+    def full_disk(fd):  # only the config file's write fails, as on a full disk
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".config.toml.tmp-" + str(os.getpid())):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(os, "fsync", full_disk)
+    assert main([*TRAIN, "--steps", "3", "--run-dir", str(fresh)]) == 2
+    assert f"cannot write {fresh.absolute()}/config.toml (No space left on device)" in _one_line_error(capsys)
+    assert not [p for p in fresh.iterdir() if "config" in p.name]
+    monkeypatch.undo()
+
+    shutil.copy(nan_run[0] / "metrics.jsonl", run / "metrics.jsonl")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_run, "_write_config", interrupted)
+    assert main([*TRAIN, "--steps", "3", "--run-dir", str(run), "--resume"]) == 2
+    line = _one_line_error(capsys)
+    assert "interrupted (Ctrl-C); the last complete checkpoint is step 2" in line
+
+
+def test_clip_norm_zero_or_none_means_no_clipping(tmp_path, monkeypatch):
+    """On the command line and in a config file (and back from a run's config.toml)."""
+    from equishard import _app
+    from equishard._app._config import config_toml, load_config
+    from equishard._cli import main
+
+    seen = []
+    monkeypatch.setattr(_app, "run", seen.append)
+    for flag in ("0", "none", "0.5"):
+        assert main([*TRAIN, "--clip-norm", flag]) == 0
+    assert [c.clip_norm for c in seen] == [None, None, 0.5]
+    config = tmp_path / "c.toml"
+    for text in ("clip_norm = 0", "clip-norm = 'none'", "clip_norm = 0.0"):
+        config.write_text(text)
+        assert load_config(config) == {"clip_norm": None}
+    config.write_text(config_toml(seen[0]))
+    assert load_config(config)["clip_norm"] is None
+
+
+def test_a_stray_step_name_is_never_removed(saved):
+    directory, _ = saved
+    (directory / "7").write_text("my notes")
+    (directory / "0").mkdir()
+    (directory / "0" / "x").write_text("mine")
+    with pytest.raises(es.CheckpointError) as info:
+        Checkpointer(directory, max_to_keep=1)
+    assert "holds 0, 7, named like checkpoint steps but not saved ones" in str(info.value)
+    assert (directory / "7").read_text() == "my notes" and (directory / "0" / "x").read_text() == "mine"
+
+
+def test_orbax_errors_at_close_stay_checkpoint_errors(saved, monkeypatch):
+    directory, states = saved
+
+    def fails(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ckpt = Checkpointer(directory)
+    monkeypatch.setattr(ocp.CheckpointManager, "close", fails)
+    with pytest.raises(es.CheckpointError, match=r"closing the checkpoints in .* failed \(.*No space left"):
+        ckpt.close()
+    ckpt = Checkpointer(directory)
+    ckpt.close(quiet=True)  # while another error is reported: nothing raised over it
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize(
+    "variable,value,argv,message",
+    [
+        ("JAX_PLATFORMS", "cuda", ["plan", "--model", "tiny", "--layout", "dp=8", "--devices", "8"], "JAX_PLATFORMS=cuda: this machine has no cuda backend (it has: cpu)"),
+        ("JAX_PLATFORMS", "gpu", [*TRAIN], "JAX_PLATFORMS=gpu: this machine has no gpu backend (it has: cpu)"),
+        ("JAX_NUM_CPU_DEVICES", "abc", [*TRAIN], "JAX_NUM_CPU_DEVICES='abc' is not a whole number"),
+    ],
+)  # fmt: skip
+def test_the_environment_is_named_in_one_line(variable, value, argv, message, tmp_path, capsys, monkeypatch):
+    from equishard._cli import main
+
+    monkeypatch.setenv(variable, value)
+    assert main([*argv, *(["--run-dir", str(tmp_path / "r")] if argv[0] == "train" else [])]) == 2
+    assert message in _one_line_error(capsys)
+
+
+def test_launch_relays_one_line_per_child(capfd, monkeypatch):
+    """Two children started with a backend the machine lacks: each says so in one line
+    (and a fresh `python -m equishard` refuses JAX_NUM_CPU_DEVICES=abc before JAX does)."""
+    from equishard._cli import main
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert main(["launch", "-n", "2", "--", "equishard", "plan", "--model", "tiny", "--layout", "dp=2", "--devices", "2"]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    for i in (0, 1):
+        lines = [line for line in err.splitlines() if line.startswith(f"[{i}]")]
+        assert len(lines) <= 1, lines  # the first failure stops the other, maybe before it printed
+    assert "[0] equishard plan: error: JAX_PLATFORMS=cuda" in err or "[1] equishard plan: error: JAX_PLATFORMS=cuda" in err
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "abc"}
+    env.pop("JAX_PLATFORMS")
+    child = subprocess.run([sys.executable, "-m", "equishard", "train"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert child.returncode == 2 and child.stderr.count("\n") == 1, child.stderr
+    assert "equishard: error: JAX_NUM_CPU_DEVICES='abc' is not a whole number" in child.stderr

@@ -25,13 +25,13 @@ from ._run import TrainConfig
 CONFIG_FILE = "config.toml"
 """The resolved configuration's name in the run directory."""
 
-NOT_SAVED = ("resume", "resume_step")
+NOT_SAVED = ("resume", "resume_step", "overwrite")
 # Options that change neither the model, the data order nor the updates.
 _NEUTRAL = {
     "run_dir", "checkpoint_dir", "resume", "resume_step", "progress", "plot", "log_every",
     "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "sample_bytes",
     "verify_checkpoints", "tensorboard", "max_skipped_steps", "remat", "remat_offload",
-    "batch_chunks",
+    "batch_chunks", "overwrite", "require_verified",
 }  # fmt: skip
 # Options that change how the same computation is laid out on the devices.
 _LAYOUT = ("layout", "sequence_parallel", "microbatches", "pipeline_repeats", "pipeline_schedule", "zero")
@@ -82,20 +82,33 @@ def load_config(path: str | pathlib.Path) -> dict[str, Any]:
     """
     path = pathlib.Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise LayerConfigError(f"--config {path}: cannot read it ({err.strerror}).") from None
+    except UnicodeDecodeError as err:
+        raise LayerConfigError(f"--config {path}: not UTF-8 text (byte {err.start}), so not TOML.") from None
     except tomllib.TOMLDecodeError as err:
         raise LayerConfigError(f"--config {path}: not valid TOML ({err}).") from None
     if set(data) == {"train"} and isinstance(data["train"], dict):
         data = data["train"]
     types_ = _field_types()
     out = {}
+    spelled: dict[str, str] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in types_:
             known = ", ".join(sorted(types_))
             raise LayerConfigError(f"--config {path}: unknown option {key!r}; the options are {known}.")
+        if name in spelled:
+            raise LayerConfigError(
+                f"--config {path}: {spelled[name]!r} and {key!r} are the same option; keep one."
+            )
+        spelled[name] = key
+        if name == "clip_norm" and (value == 0 or (isinstance(value, str) and value.lower() == "none")):
+            out[name] = None  # no clipping, as --clip-norm 0 / none
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+            raise LayerConfigError(f"--config {path}: {key} = {value} is too large for any option.")
         out[name] = _check_type(name, value, types_[name], f"--config {path}")
     return out
 
@@ -117,6 +130,8 @@ def config_toml(config: TrainConfig) -> str:
     ]
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if field.name == "clip_norm" and value is None:
+            value = 0  # no clipping, as the file says it
         if value is None or field.name in NOT_SAVED:
             continue
         lines.append(f"{field.name} = {_toml_value(value)}")

@@ -10,11 +10,12 @@ model as a plain one-device Equinox file (`model.eqx`) and a text sample.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import CheckpointError, LayerConfigError, TrainingError
@@ -60,6 +62,8 @@ from ._log import (
     step_line,
     time_summary,
 )
+from ._metrics import METRICS_FILE, MetricsLog, read_metrics
+from ._rundir import claim, write_atomically
 
 if TYPE_CHECKING:
     from ..train import Checkpointer
@@ -82,13 +86,15 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    clip_norm: float | None = 1.0
     grad_accum: int = 1
     checkpoint_dir: str | None = None
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     resume: bool = False
     resume_step: int | None = None
+    overwrite: bool = False
+    require_verified: bool = False
     max_skipped_steps: int = 10
     verify_checkpoints: bool = True
     seed: int = 0
@@ -157,30 +163,65 @@ def check_options(config: TrainConfig) -> None:
     for name in ("warmup", "sample_bytes"):
         if getattr(config, name) < 0:
             raise LayerConfigError(f"{_option(name)} must be 0 or more, got {getattr(config, name)}.")
+    if not 0 <= config.seed < 2**63:
+        raise LayerConfigError(f"--seed must be 0 or more and below 2**63, got {config.seed}.")
+    if config.require_verified and not config.verify_checkpoints:
+        raise LayerConfigError("--require-verified and --no-verify-checkpoints exclude each other.")
     if config.resume_step is not None and config.resume_step < 0:
         raise LayerConfigError(f"--resume-step must be 0 or more, got {config.resume_step}.")
     if not (math.isfinite(config.lr) and config.lr > 0):
         raise LayerConfigError(f"--lr must be a finite number above 0, got {config.lr}.")
-    for name in ("weight_decay", "clip_norm"):
-        value = getattr(config, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise LayerConfigError(f"{_option(name)} must be a finite number, 0 or more, got {value}.")
-    check_schedule(make_schedule(config), config.steps)
+    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+        raise LayerConfigError(f"--weight-decay must be a finite number, 0 or more, got {config.weight_decay}.")
+    if config.clip_norm is not None and not (math.isfinite(config.clip_norm) and config.clip_norm > 0):
+        raise LayerConfigError(
+            f"--clip-norm must be a finite number above 0, or 0 / none for no clipping, got "
+            f"{config.clip_norm}."
+        )
+    _check_counters(config)
+    check_schedule(make_schedule(config), config.steps, breakpoints=(config.warmup,))
 
 
-def check_schedule(schedule: optax.Schedule, steps: int) -> None:
-    """Check a learning-rate schedule at every step of a run: finite, not negative, peak > 0.
+MAX_COUNT = 2**31 - 1
+"""The largest step count and data position a `TrainState` holds (`int32` counters)."""
+
+
+def _check_counters(config: TrainConfig) -> None:
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "warmup"):
+        if getattr(config, name) > MAX_COUNT:
+            raise LayerConfigError(
+                f"{_option(name)} {getattr(config, name)} is more than the {MAX_COUNT} a run's int32 counters hold."
+            )
+    if config.steps * config.batch_size > MAX_COUNT:
+        raise LayerConfigError(
+            f"--steps {config.steps} x --batch-size {config.batch_size} samples is more than "
+            f"the {MAX_COUNT} the run's data position (an int32 counter) holds."
+        )
+
+
+def check_schedule(schedule: optax.Schedule, steps: int, *, breakpoints: tuple[int, ...] = ()) -> None:
+    """Check a learning-rate schedule over a run: finite, not negative, peak > 0.
+
+    It is evaluated at every step up to 4096 steps; beyond, at 4097 evenly spaced
+    steps, at each of `breakpoints` (where a piecewise schedule changes pieces) and
+    the steps beside them, so that a long run's check costs what a short one's does.
 
     **Raises:**
 
     `LayerConfigError` naming the first bad step and its value.
     """
-    rates = np.asarray(jax.vmap(schedule)(jnp.arange(steps + 1)), np.float64)
+    if steps <= 4096:
+        at = np.arange(steps + 1)
+    else:
+        near = [b + d for b in (0, *breakpoints, steps) for d in (-1, 0, 1)]
+        at = np.unique(np.clip(np.concatenate([np.linspace(0, steps, 4097).round(), near]), 0, steps))
+    at = at.astype(np.int64)
+    rates = np.asarray(jax.vmap(schedule)(jnp.asarray(at)), np.float64)
     bad = ~np.isfinite(rates) | (rates < 0)
     if bad.any():
-        step = int(np.argmax(bad))
+        step = int(at[np.argmax(bad)])
         raise LayerConfigError(
-            f"the learning-rate schedule gives {rates[step]} at step {step}: every rate must "
+            f"the learning-rate schedule gives {rates[np.argmax(bad)]} at step {step}: every rate must "
             f"be finite and 0 or more (check --lr and --warmup)."
         )
     if rates.max() <= 0:
@@ -206,6 +247,17 @@ def _check(config: TrainConfig, layout: Layout, num_devices: int) -> None:
             f"micro-batches."
         )
     check_context_split(par, config.seq_len)
+    if not par.pipeline:
+        given = [
+            _option(name) for name, unset in
+            (("pipeline_schedule", None), ("microbatches", None), ("pipeline_repeats", 1))
+            if getattr(config, name) != unset
+        ]  # fmt: skip
+        if given:
+            raise LayerConfigError(
+                f"{', '.join(given)} apply only to a pipeline, and the layout {config.layout!r} "
+                f"has no pp axis: drop {'them' if len(given) > 1 else 'it'} or add pp to --layout."
+            )
 
 
 def machine_memory(devices: list) -> tuple[int, str]:
@@ -440,7 +492,6 @@ def run(
     `EquishardError` subclasses for bad options, layouts, models and checkpoints,
     before anything is compiled or written over.
     """
-    from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
     from ..train._checkpoint import probe_writable
 
     start = clock()
@@ -454,7 +505,36 @@ def run(
     # that is a file or read-only is found now, not at the first save.
     run_dir = pathlib.Path(config.run_dir)
     probe_writable(run_dir, "run directory (--run-dir)")
-    checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints")
+    checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints").absolute()
+    resuming = config.resume or config.resume_step is not None
+    lock = None
+    if is_coordinator():  # process 0 holds the run directory for every process
+        lock = claim(run_dir.absolute(), checkpoint_dir, resume=resuming, overwrite=config.overwrite, print_fn=print_fn)
+    try:
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("equishard run directory claimed")
+        return _run_locked(r, run_dir, checkpoint_dir, start, print_fn, clock, profile)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(
+    r: Run,
+    run_dir: pathlib.Path,
+    checkpoint_dir: pathlib.Path,
+    start: float,
+    print_fn: Callable[[str], None],
+    clock: Clock,
+    profile: DeviceProfile | None,
+) -> dict[str, Any]:
+    """`run` once the run directory is this run's: restore or initialise, then train."""
+    from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
+
+    config = r.config
+    resuming = config.resume or config.resume_step is not None
+    # Read (and checked) before anything is compiled: a damaged log is refused now.
+    rows = read_metrics(run_dir / METRICS_FILE) if resuming and is_coordinator() else []
     corpus = load_stdlib_corpus()
     metadata = {
         "model": _architecture(r.model_config),
@@ -473,8 +553,8 @@ def run(
     try:
         ckpt.check_writable()
         resumed = ""
-        if config.resume or config.resume_step is not None:
-            state = _resume(r, ckpt, metadata)
+        if resuming:
+            state = _resume(r, ckpt, metadata, print_fn)
             saved_layout = ckpt.read_metadata(int(state.step)).get("user", {}).get("layout")
             resumed = (
                 f"resumed from step {int(state.step)} of {checkpoint_dir} (data position "
@@ -483,6 +563,7 @@ def run(
             )
             for line in _resume_changes(run_dir, config):
                 print_fn(line)
+            rows = [row for row in rows if row["step"] <= int(state.step)]
         else:
             if ckpt.latest_step() is not None:
                 raise CheckpointError(
@@ -499,7 +580,11 @@ def run(
             profile=profile,
             dtype=config.dtype,
         )
-        return _train(r, state, corpus, ckpt, run_dir, start, print_fn, clock, throughput, resumed)
+        log = _Log(rows, run_dir, int(state.step) if resuming else None)
+        return _train(r, state, corpus, ckpt, log, start, print_fn, clock, throughput, resumed)
+    except BaseException:
+        ckpt.close(quiet=True)  # the error in flight is the one to report
+        raise
     finally:
         ckpt.close()
 
@@ -519,12 +604,14 @@ def _resume_changes(run_dir: pathlib.Path, config: TrainConfig) -> list[str]:
 
 
 def _write_config(run_dir: pathlib.Path, config: TrainConfig) -> None:
-    """Process 0 writes the resolved options to `<run-dir>/config.toml`."""
+    """Process 0 writes the resolved options to `<run-dir>/config.toml`, once: a resumed
+    run keeps the file its run was started with (`_resume_changes` compares with it)."""
     from ._config import CONFIG_FILE, config_toml
 
-    if is_coordinator():
+    path = run_dir / CONFIG_FILE
+    if is_coordinator() and not (path.exists() or path.is_symlink()):
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(config_toml(config))
+        write_atomically(path, config_toml(config))
 
 
 _NOT_ARCHITECTURE = ("remat", "remat_offload", "batch_chunks")
@@ -543,7 +630,7 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
     return _without_remat(dataclasses.asdict(config))
 
 
-def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
+def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any], print_fn: Callable[[str], None]) -> TrainState:
     """The state to continue from: the latest step, or `--resume-step`, checked to fit."""
     config = r.config
     checkpoint_dir = ckpt.directory
@@ -554,6 +641,7 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
         )
     meta = ckpt.read_metadata(config.resume_step)
     saved, step = meta.get("user", {}), int(meta["step"])
+    _check_verifiable(meta, ckpt, config, print_fn)
     same_model = _without_remat(saved.get("model")) == metadata["model"]
     if same_model and saved.get("unit_order") != metadata["unit_order"]:
         raise CheckpointError(
@@ -589,6 +677,80 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any]) -> TrainState:
     return state
 
 
+def _check_verifiable(meta: dict[str, Any], ckpt: Checkpointer, config: TrainConfig, print_fn: Callable[[str], None]) -> None:
+    """Warn that a step without checksums is restored unverified; refuse it with
+    `--require-verified`."""
+    if all("checksum" in record for record in meta.get("arrays", [])):
+        return
+    what = (
+        f"the checkpoint at step {meta['step']} in {ckpt.directory} carries no checksums (it "
+        f"was saved with --no-verify-checkpoints)"
+    )
+    if config.require_verified:
+        raise CheckpointError(
+            f"--require-verified: {what}, so it cannot be verified; resume without "
+            f"--require-verified to restore it unverified."
+        )
+    print_fn(f"warning: {what}: it is restored unverified (--require-verified refuses it).")
+
+
+class _Rates:
+    """The learning rate of each step, computed 1024 steps at a time as the run reaches
+    them (a run of billions of steps holds one block)."""
+
+    def __init__(self, schedule: optax.Schedule):
+        self._schedule, self._start, self._block = schedule, -1, np.zeros(0)
+
+    def __call__(self, step: int) -> float:
+        start = step - step % 1024
+        if start != self._start:
+            self._start = start
+            self._block = np.asarray(jax.vmap(self._schedule)(jnp.arange(start, start + 1024)), np.float64)
+        return float(self._block[step - start])
+
+
+@dataclasses.dataclass
+class _Log:
+    """The run's metrics: the rows in force (plotted at the end) and the file."""
+
+    rows: list[dict[str, Any]]
+    run_dir: pathlib.Path
+    resumed_from: int | None
+
+
+class _StopSignals:
+    """SIGTERM and SIGUSR1 (a cluster's preemption notice) ask the run to stop at the end
+    of the current step; the handlers are installed while the steps run (main thread)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        del frame
+        self.received = sig
+
+    def stop(self) -> bool:
+        """Whether to stop now: in a multi-process run, whether any process was told to
+        (every process stops at the same step)."""
+        asked = self.received is not None
+        if jax.process_count() > 1:
+            asked = bool(np.asarray(multihost_utils.process_allgather(np.int32(asked))).any())
+        return asked
+
+
 class _Phases:
     """Seconds spent per phase of a run, measured with one clock."""
 
@@ -608,7 +770,7 @@ def _train(
     state: TrainState,
     corpus: ByteCorpus,
     ckpt: Checkpointer,
-    run_dir: pathlib.Path,
+    log: _Log,
     start: float,
     print_fn: Callable[[str], None],
     clock: Clock,
@@ -616,6 +778,7 @@ def _train(
     resumed: str,
 ) -> dict[str, Any]:
     config = r.config
+    run_dir = log.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     first = int(state.step)
     print_fn(
@@ -626,15 +789,12 @@ def _train(
     print_fn(format_param_table(state.model, r.mesh))
     if resumed:
         print_fn(resumed)
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / METRICS_FILE
     # Process 0 writes the shared files (metrics, plot, model); every process computes.
     coordinator = is_coordinator()
-    rows: list[dict[str, Any]] = []
-    if first and metrics_path.exists() and coordinator:
-        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
-        rows = [row for row in rows if row["step"] <= first]
+    rows = log.rows
     # The learning rate each step applies (optax counts updates from 0).
-    rates = np.asarray(jax.vmap(make_schedule(config))(jnp.arange(config.steps + 1)), np.float64)
+    rates = _Rates(make_schedule(config))
     phases = _Phases(clock)
     val_loss: float | None = None
     loss: float | None = None
@@ -656,9 +816,9 @@ def _train(
             with bar.external_write_mode():
                 print_fn(line)
 
-    with metrics_path.open("w") if coordinator else open(os.devnull, "w") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
+    out = MetricsLog(metrics_path if coordinator else None, log.resumed_from)
+    stop = _StopSignals()
+    with out, stop:
         for step in range(first, config.steps):
             began = clock()
             batch = r.batch(corpus.train, int(state.data_position))
@@ -673,14 +833,14 @@ def _train(
             phases.seconds["train"] += seconds
             loss = values["loss"]
             skipped_in_a_row = skipped_in_a_row + 1 if values["skipped"] else 0
-            row = {"step": step + 1, **values, "lr": float(rates[step]), "step_time": seconds}
+            row = {"step": step + 1, **values, "lr": rates(step), "step_time": seconds}
             row["tokens"] = throughput.tokens_per_step * (step + 1)
             row.update(throughput.rates(1, seconds))
             memory = peak_memory_bytes()
             if memory is not None:
                 row["peak_memory_bytes"] = memory
             row["time"] = time.time()
-            out.write(json.dumps(row) + "\n")
+            out.write(row)
             rows.append(row)
             if board is not None:
                 board.step(row)
@@ -691,13 +851,12 @@ def _train(
                 window.seconds, window.steps = 0.0, 0
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
                 val_loss = phases.timed("evaluation", lambda: r.validation_loss(state, corpus))
-                out.write(json.dumps({"step": step + 1, "val_loss": val_loss, "time": time.time()}) + "\n")
+                out.write({"step": step + 1, "val_loss": val_loss, "time": time.time()})
                 rows.append({"step": step + 1, "val_loss": val_loss})
                 if board is not None:
                     board.step(rows[-1])
                     board.flush()
                 emit(f"step {step + 1}: validation loss {val_loss:.4f}")
-            out.flush()
             if skipped_in_a_row >= config.max_skipped_steps:
                 raise TrainingError(_too_many_skipped(step + 1, skipped_in_a_row, metrics, ckpt))
             ckpt.poll()  # a checkpoint write that failed in the background stops the run
@@ -711,6 +870,8 @@ def _train(
                 bar.update(1)
             if (step + 1) % config.checkpoint_every == 0:
                 phases.timed("checkpoint", lambda: ckpt.save(step + 1, state))
+            if stop.stop():
+                break
         if bar is not None:
             bar.close()
         if board is not None:
@@ -721,6 +882,8 @@ def _train(
         ckpt.wait()
 
     phases.timed("checkpoint", final_checkpoint)
+    if int(state.step) < config.steps:  # stopped by a signal, its step saved
+        return _stopped(config, int(state.step), ckpt, stop, print_fn, run_dir)
     if config.plot and coordinator:
         title = f"{config.model} GPT, layout {config.layout}, {config.dtype}"
         phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png", title))
@@ -763,6 +926,18 @@ def _train(
     }
 
 
+def _stopped(
+    config: TrainConfig, step: int, ckpt: Checkpointer, stop: _StopSignals, print_fn: Callable[[str], None], run_dir: pathlib.Path
+) -> dict[str, Any]:
+    """The one line a run stopped by SIGTERM or SIGUSR1 ends with, and its summary."""
+    name = signal.Signals(stop.received).name if stop.received is not None else "a stop signal (another process)"
+    print_fn(
+        f"equishard train: received {name}: stopped after step {step} of {config.steps}, saved "
+        f"in {ckpt.directory}; continue with --resume."
+    )
+    return {"stopped": name, "steps": step, "run_dir": str(run_dir)}
+
+
 def _too_many_skipped(step: int, count: int, metrics: dict[str, Any], ckpt: Checkpointer) -> str:
     last = ckpt.latest_step()
     resume = f"; the last checkpoint is step {last}" if last is not None else ""
@@ -795,7 +970,9 @@ def _silent(text: str) -> None:
 
 
 def _progress(config: TrainConfig, first: int) -> Any:
-    if not config.progress:
+    """The progress bar, only where stderr is a terminal: in a scheduler's log file every
+    redraw would be kept (the step lines say the same)."""
+    if not config.progress or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 

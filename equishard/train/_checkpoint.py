@@ -58,6 +58,25 @@ _ARRAYS = "arrays"
 _META = "meta"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 _DELETED = "-deleted"
+_COMMITTED = "_CHECKPOINT_METADATA"  # orbax writes it into a step before renaming it in place
+
+
+def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """The steps saved completely in a checkpoint directory, read from its listing alone
+    (no orbax manager: usable while one is interrupted).
+
+    **Arguments:**
+
+    - `directory`: the checkpoint directory.
+
+    **Returns:**
+
+    The steps, oldest first (none if the directory does not exist).
+    """
+    path = pathlib.Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / _COMMITTED).is_file())
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,6 +297,7 @@ class Checkpointer:
         self._path_map = path_map
         self._max_to_keep = max_to_keep
         self._checksums = checksums
+        self._refuse_strays()
         self._interrupted = self._interrupted_writes()
         self._remove_leftovers()
         options = ocp.CheckpointManagerOptions(
@@ -348,6 +368,20 @@ class Checkpointer:
         """
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def _refuse_strays(self) -> None:
+        """Refuse a file or directory named like a step that is not a saved step: orbax
+        would count it as one, and remove it among the oldest (`max_to_keep`)."""
+        if not self._directory.is_dir():
+            return
+        saved = committed_steps(self._directory)
+        strays = sorted(p.name for p in self._directory.iterdir() if p.name.isdigit() and int(p.name) not in saved)
+        if strays:
+            raise CheckpointError(
+                f"{self._directory} holds {', '.join(strays)}, named like checkpoint steps but not "
+                f"saved ones (no {_COMMITTED} in them); equishard never removes what it did not "
+                f"write: move them out of the directory, then start again."
+            )
 
     def _interrupted_writes(self) -> list[str]:
         if not self._directory.is_dir():
@@ -522,19 +556,37 @@ class Checkpointer:
                 f"the incomplete step was not finalised and will be ignored."
             ) from None
 
-    def close(self) -> None:
+    def close(self, *, quiet: bool = False) -> None:
         """Wait for pending saves and release the manager. Safe to call twice.
+
+        **Arguments:**
+
+        - `quiet`: raise nothing (for closing while another error is being reported,
+          which a failure of the same write must not replace).
 
         **Raises:**
 
-        `CheckpointError` if the last save failed; the manager is released regardless.
+        `CheckpointError` if the last save failed or orbax fails to release the manager
+        (never orbax's own error); the manager is released regardless.
         """
-        if self._finalizer.alive:
+        if not self._finalizer.alive:
+            return
+        error: CheckpointError | None = None
+        try:
+            self.wait()
+        except CheckpointError as err:
+            error = err
+        finally:
+            _OPEN.discard(self)
             try:
-                self.wait()
-            finally:
-                _OPEN.discard(self)
                 self._finalizer()
+            except Exception as err:  # noqa: BLE001 - orbax's close of a failed write
+                error = error or CheckpointError(
+                    f"closing the checkpoints in {self._directory} failed ({first_line(err)}); "
+                    f"the steps there: {committed_steps(self._directory)}."
+                )
+        if error is not None and not quiet:
+            raise error
 
     # -- restoring -----------------------------------------------------------------------
 
@@ -604,6 +656,14 @@ class Checkpointer:
             raise CheckpointError(
                 f"{self._where(step)} is not an equishard checkpoint (its metadata has no "
                 f"format {FORMAT!r})."
+            )
+        version = meta.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            saved_by = meta.get("versions", {}).get("equishard", "unknown")
+            raise CheckpointError(
+                f"{self._where(step)} has checkpoint format version {version} (written by "
+                f"equishard {saved_by}), newer than the version {FORMAT_VERSION} this "
+                f"equishard reads; restore it with that equishard or a newer one."
             )
         return meta
 
