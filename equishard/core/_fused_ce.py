@@ -13,7 +13,7 @@ chunk's logits at a time: `chunk × V/n` elements.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -132,11 +132,11 @@ def _grad_logits(z, p, lse, valid, mine, index, opts: _Options) -> Array:
     return jnp.where(valid[:, None], g, 0.0)
 
 
-def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads: bool):
+def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads: bool) -> Any:
     """Run the chunks; sums, and with `grads` `dh` `[n, C, D]` and `dw` `f32[V/n, D]`."""
     start = jax.lax.axis_index(opts.axes) * w.shape[0] if opts.axes else jnp.int32(0)
 
-    def body(dw: Array | None, xs: tuple[Array, Array, Array]):
+    def body(dw: Any, xs: tuple[Array, Array, Array]) -> tuple[Any, Any]:
         h_c, labels_c, valid_c = xs
         z, p, lse, loss, ce, correct, mine, index = _chunk(h_c, w, labels_c, valid_c, start, opts)
         sums = (jnp.sum(loss), jnp.sum(ce), jnp.sum(correct.astype(jnp.int32)))
@@ -258,13 +258,15 @@ def fused_linear_cross_entropy(
         ignore_index, float(z_loss), float(label_smoothing), softcap,
     )  # fmt: skip
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
+    # Everything varies alike inside the rule: the casts' transposes sum the gradients
+    # of a replicated `hidden` over the vocabulary axis (and of `weight` over the data
+    # axes it is replicated on).
+    union = varying_axes(h) | varying_axes(weight)
     if axes and vma_checked(axes):
-        # Everything varies alike inside the rule: the casts' transposes sum the
-        # gradients of a replicated `hidden` over the axis (and of `weight` over the
-        # data axes it is replicated on).
-        union = varying_axes(h) | varying_axes(weight) | set(axes)
+        union = union | set(axes)
+    if union:
         h, weight = cast_varying((h, weight), union)
-    loss, ce, correct = _fused(h, weight, labels.reshape(-1), opts)
+    loss, ce, correct = cast(tuple[Array, Array, Array], _fused(h, weight, labels.reshape(-1), opts))
     tokens = jnp.sum(_valid_labels(labels, ignore_index).astype(jnp.int32))
     return CrossEntropySums(loss, jax.lax.stop_gradient(ce), tokens, correct)
 

@@ -122,15 +122,13 @@ def fused_cross_entropy(
     local view, `psum` `loss` and `tokens` over the data axes and divide; with the same
     number of tokens on every device (no `ignore_index`), `pmean` `loss / tokens`.
     """
-    options = dict(
-        chunk_size=chunk_size, ignore_index=ignore_index, z_loss=z_loss,
-        label_smoothing=label_smoothing, softcap=softcap,
-    )  # fmt: skip
-
     def local(hidden: Array, weight: Any, labels: Array) -> CrossEntropySums:
         w = value_of(weight)
         w = jnp.reshape(w, (-1, w.shape[-1]))  # [V/n, D]
-        return fused_linear_cross_entropy(hidden, w, labels, axis_name, **options)
+        return fused_linear_cross_entropy(
+            hidden, w, labels, axis_name, chunk_size=chunk_size, ignore_index=ignore_index,
+            z_loss=z_loss, label_smoothing=label_smoothing, softcap=softcap,
+        )  # fmt: skip
 
     if mesh is None:
         return local(hidden, weight, labels)
