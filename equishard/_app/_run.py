@@ -614,9 +614,9 @@ def _write_config(run_dir: pathlib.Path, config: TrainConfig) -> None:
         write_atomically(path, config_toml(config))
 
 
-_NOT_ARCHITECTURE = ("remat", "remat_offload", "batch_chunks")
+_NOT_ARCHITECTURE = ("remat", "remat_offload", "batch_chunks", "fused_loss", "loss_chunk_size")
 """`GPTConfig` fields that change how a step runs, not the parameters: a run may resume
-under another rematerialisation policy or number of batch pieces."""
+under another rematerialisation policy, number of batch pieces or loss chunking."""
 
 
 def _without_remat(model: Any) -> Any:

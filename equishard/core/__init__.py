@@ -46,6 +46,11 @@ from ._executor import (
     execute_schedule as execute_schedule,
     schedule_weights as schedule_weights,
 )
+from ._fused_ce import (
+    CHUNK_ELEMENTS as CHUNK_ELEMENTS,
+    CrossEntropySums as CrossEntropySums,
+    fused_linear_cross_entropy as fused_linear_cross_entropy,
+)
 from ._gather import (
     gather_array as gather_array,
     gather_array_with_mean_grads as gather_array_with_mean_grads,

@@ -3,7 +3,8 @@
 Token embedding (vocabulary-parallel over the tensor axis), pre-norm blocks of causal
 multi-head attention with rotary embeddings and a SwiGLU MLP (optionally a mixture of
 experts every `moe_every` blocks), a final RMSNorm and a tied or untied output head,
-with the loss computed by `vocab_parallel_cross_entropy` (never gathering the logits).
+with the loss computed by `fused_cross_entropy` from the final hidden states, chunk by
+chunk over the tokens (never forming the `[tokens, V]` logits; `GPTConfig.fused_loss`).
 
 The blocks are stacked and run with `jax.lax.scan`, so compile time does not grow with
 depth; with a pipeline axis they are split into stages instead. Which axes exist is
@@ -34,6 +35,7 @@ from ..nn import (
     RMSNorm,
     TransformerBlock,
     fsdp_gather_params,
+    fused_cross_entropy,
     remat_policy,
     vocab_parallel_cross_entropy,
 )
@@ -94,6 +96,12 @@ class GPTConfig:
       a loop compiles in a time that does not grow with depth. The same values either
       way. The FSDP units' own scan (regathering units without a remat policy) runs one
       layer an iteration whatever this is.
+    - `fused_loss`: compute the loss from the final hidden states in chunks of tokens
+      (`equishard.nn.fused_cross_entropy`: no `[tokens, V]` logits, softmax or gradient
+      formed whole); `False`: form the logits, then `vocab_parallel_cross_entropy`.
+      The same values and gradients either way.
+    - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: about 2²⁴ logits
+      per chunk, `equishard.core.CHUNK_ELEMENTS`).
     """
 
     vocab_size: int = 256
@@ -115,6 +123,8 @@ class GPTConfig:
     remat_offload: bool = False
     batch_chunks: int = 1
     scan_unroll: int | Literal["auto"] = "auto"
+    fused_loss: bool = True
+    loss_chunk_size: int | None = None
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -477,6 +487,14 @@ class GPT(eqx.Module):
         # f32[B, T(/tp), D] @ f32[D, V/tp]
         return matmul_t(h, table)
 
+    def _cross_entropy(self, h: Array, labels: Array) -> Float[Array, ""]:
+        """The mean cross-entropy of the local tokens from the blocks' output `h`."""
+        h = self._gathered(self.norm, h)(h)
+        # Gathered once h exists (under fsdp); the head's or the table's rows f32[V/tp, D].
+        head = self._gathered(self.head, h)
+        table = None if head is not None else self._gathered(self.embed, h).weight
+        return _mean_cross_entropy(self.config, self.parallelism, h, head, table, labels)
+
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
         """Logits for `ids` (local view)."""
         return self.logits(self.hidden(ids)[0])
@@ -541,15 +559,7 @@ class GPT(eqx.Module):
 
         def last(arrays: Any, h: Array, labels_m: Array) -> Array:
             norm, head, table = eqx.combine(arrays, tail_static)
-            h = norm(h)
-            if head is not None:
-                logits = head(h)
-            else:
-                if par.sequence_parallel:
-                    h = gather_tokens(h, TP)
-                logits = h @ jnp.asarray(table.value).T  # f32[b, T, D] @ f32[D, V/tp]
-            ce = vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels_m, TP)
-            return jnp.mean(ce)
+            return _mean_cross_entropy(self.config, par, norm(h), head, table, labels_m)
 
         ce = self.units.loss(
             ids, labels, first=first, first_params=embed_arrays, last=last,
@@ -589,8 +599,7 @@ class GPT(eqx.Module):
             return self._scheduled_loss(ids, labels, positions)
         model = self._tie_varying(ids) if self.config.tied else self
         h, aux = model.hidden(ids, positions)
-        logits = model.logits(h).astype(jnp.float32)
-        ce = jnp.mean(vocab_parallel_cross_entropy(logits, labels, TP))
+        ce = model._cross_entropy(h, labels)
         loss = ce
         moe_layers = self.config.n_layers // self.config.moe_every if self.config.moe_every else 0
         if moe_layers:
@@ -613,6 +622,31 @@ class GPT(eqx.Module):
             metrics["z_loss"] = aux.z_loss / moe_layers
             metrics["dropped"] = aux.dropped
         return loss, metrics
+
+
+def _mean_cross_entropy(
+    config: GPTConfig, par: Parallelism, h: Array, head: ColumnParallelLinear | None,
+    table: Any, labels: Array,
+) -> Float[Array, ""]:  # fmt: skip
+    """The mean cross-entropy of the local tokens from the normed hidden states `h`.
+
+    `h`: `[B, T(/tp), D]` (split over the tokens with sequence parallelism); the output
+    weight is the untied `head`'s or the tied embedding `table` (`f32[V/tp, D]`).
+    """
+    if config.fused_loss:
+        if par.sequence_parallel and is_bound(TP):
+            h = gather_tokens(h, TP)  # f32[B, T/tp, D] -> f32[B, T, D]
+        weight = head.weight if head is not None else table
+        sums = fused_cross_entropy(h, weight, labels, TP, chunk_size=config.loss_chunk_size)
+        return sums.loss / labels.size
+    if head is not None:
+        logits = head(h)
+    else:
+        if par.sequence_parallel and is_bound(TP):
+            h = gather_tokens(h, TP)
+        # f32[B, T, D] @ f32[D, V/tp]
+        logits = matmul_t(h, jnp.asarray(table.value))
+    return jnp.mean(vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, TP))
 
 
 def _position_row(positions: Array | None) -> tuple[Array, ...]:

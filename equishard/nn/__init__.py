@@ -1,6 +1,9 @@
 """Equinox layers in local view, composing `equishard.core`."""
 
-from ._cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from ._cross_entropy import (
+    fused_cross_entropy as fused_cross_entropy,
+    vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
+)
 from ._embedding import ParallelEmbedding as ParallelEmbedding
 from ._fsdp import (
     FSDP as FSDP,

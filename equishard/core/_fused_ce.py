@@ -1,0 +1,275 @@
+"""A fused linear cross-entropy: from hidden states and the output weight to the loss, in
+chunks of tokens, never forming the `[tokens, vocabulary]` logits whole.
+
+The logits of one chunk of tokens are formed (in the inputs' dtype), their softmax
+statistics taken in float32 (over a tensor axis when the vocabulary is split over it),
+and, when the loss is differentiated, the gradients of the hidden states and of the
+weight are produced in the same pass over the chunk (a `jax.custom_vjp` whose forward
+rule computes the loss and the gradients for a unit cotangent, as Liger Kernel's fused
+linear cross-entropy does; the backward rule only scales them). The program holds one
+chunk's logits at a time: `chunk × V/n` elements.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .._axes import (
+    AxisName,
+    axis_tuple,
+    cast_varying,
+    combined_axis_size,
+    is_bound,
+    varying_axes,
+    vma_checked,
+)
+from .._errors import LayerConfigError
+
+CHUNK_ELEMENTS = 2**24
+"""The default budget of one chunk's logits, in elements (64 MiB in float32): the chunk
+holds `CHUNK_ELEMENTS // (V/n)` tokens, rounded down to a multiple of 128 (of 8 when
+fewer), at least 8."""
+
+
+class CrossEntropySums(NamedTuple):
+    """The sums a fused cross-entropy returns over this device's tokens (see
+    `fused_linear_cross_entropy`): divide `loss` by `tokens` for the mean.
+
+    - `loss`: the training objective summed over the tokens not ignored (cross-entropy,
+      with label smoothing and the z-loss when asked); the only differentiable field.
+    - `cross_entropy`: the plain cross-entropy summed over the same tokens (a metric).
+    - `tokens`: how many tokens are not ignored (`int32`).
+    - `correct`: how many of them have their label as the logits' argmax (`int32`).
+    """
+
+    loss: Float[Array, ""]
+    cross_entropy: Float[Array, ""]
+    tokens: Int[Array, ""]
+    correct: Int[Array, ""]
+
+
+class _Options(NamedTuple):
+    """The static options of one call (hashable: a `custom_vjp` non-differentiable argument)."""
+
+    axes: tuple[str, ...]  # the bound vocabulary axes, () for none
+    chunk: int
+    vocab: int  # the global vocabulary
+    ignore_index: int | None
+    z_loss: float
+    smoothing: float
+    softcap: float | None
+
+
+def default_chunk_size(vocab_local: int) -> int:
+    """The tokens of a chunk whose logits `[chunk, vocab_local]` hold about `CHUNK_ELEMENTS`."""
+    size = CHUNK_ELEMENTS // max(vocab_local, 1)
+    return max(8, size // 128 * 128 if size >= 128 else size // 8 * 8)
+
+
+def _reduce(x: Array, op: str, opts: _Options) -> Array:
+    """`x` reduced over the vocabulary axes (`op`: "sum", "max" or "min"), or `x` itself."""
+    if not opts.axes:
+        return x
+    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, opts.axes)
+
+
+def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: _Options):
+    """One chunk's logits, softmax and per-token results (all float32 but `z_raw`).
+
+    `h`: `[C, D]`, `w`: `[V/n, D]`, `labels`/`valid`: `[C]`, `start`: the first vocabulary
+    id this device holds. Returns `(z, p, lse, loss, ce, correct, mine, index)`: `z` the
+    (capped) logits `f32[C, V/n]`, `p` their softmax, the per-token `[C]` results, and
+    where the label is among this device's rows (`mine`, `index` `[C, 1]`).
+    """
+    vocab_local = w.shape[0]
+    # bf16[C, D] @ bf16[D, V/n] -> bf16[C, V/n] (the inputs' dtype), then float32
+    z = jnp.tensordot(h, w, axes=((1,), (1,))).astype(jnp.float32)
+    if opts.softcap is not None:
+        z = opts.softcap * jnp.tanh(z / opts.softcap)
+    local_max = jnp.max(z, axis=-1)
+    m = _reduce(local_max, "max", opts)  # f32[C]: the global maximum
+    e = jnp.exp(z - m[:, None])
+    s = _reduce(jnp.sum(e, axis=-1), "sum", opts)
+    lse = m + jnp.log(s)  # f32[C]
+    local = labels - start
+    mine = (local >= 0) & (local < vocab_local)
+    index = jnp.clip(local, 0, vocab_local - 1)[:, None]
+    picked = jnp.take_along_axis(z, index, axis=-1, mode="promise_in_bounds")[:, 0]
+    target = _reduce(jnp.where(mine, picked, 0.0), "sum", opts)
+    ce = lse - target
+    loss = ce
+    if opts.smoothing:
+        mean_z = _reduce(jnp.sum(z, axis=-1), "sum", opts) / opts.vocab
+        loss = (1.0 - opts.smoothing) * ce + opts.smoothing * (lse - mean_z)
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse**2
+    # The argmax (the first index of the maximum), over the axis: the smallest global id
+    # holding the global maximum.
+    first = jnp.argmax(z, axis=-1).astype(jnp.int32) + start
+    candidate = jnp.where(local_max == m, first, jnp.int32(opts.vocab))
+    correct = _reduce(candidate, "min", opts) == labels
+    zero = jnp.zeros((), jnp.float32)
+    loss, ce = jnp.where(valid, loss, zero), jnp.where(valid, ce, zero)
+    return z, e / s[:, None], lse, loss, ce, correct & valid, mine, index
+
+
+def _grad_logits(z, p, lse, valid, mine, index, opts: _Options) -> Array:
+    """The gradient of a chunk's summed loss with respect to its raw logits, `f32[C, V/n]`."""
+    scale = 1.0 + 2.0 * opts.z_loss * lse if opts.z_loss else jnp.ones_like(lse)
+    g = p * scale[:, None]
+    if opts.smoothing:
+        g = g - opts.smoothing / opts.vocab
+    onehot = jnp.arange(z.shape[-1], dtype=jnp.int32)[None, :] == index
+    g = g - jnp.where(onehot & mine[:, None], 1.0 - opts.smoothing, 0.0)
+    if opts.softcap is not None:
+        # d/dx c tanh(x / c) = 1 - tanh² = 1 - (z / c)²
+        g = g * (1.0 - (z / opts.softcap) ** 2)
+    return jnp.where(valid[:, None], g, 0.0)
+
+
+def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads: bool) -> Any:
+    """Run the chunks; sums, and with `grads` `dh` `[n, C, D]` and `dw` `f32[V/n, D]`."""
+    start = jax.lax.axis_index(opts.axes) * w.shape[0] if opts.axes else jnp.int32(0)
+
+    def body(dw: Any, xs: tuple[Array, Array, Array]) -> tuple[Any, Any]:
+        h_c, labels_c, valid_c = xs
+        z, p, lse, loss, ce, correct, mine, index = _chunk(h_c, w, labels_c, valid_c, start, opts)
+        sums = (jnp.sum(loss), jnp.sum(ce), jnp.sum(correct.astype(jnp.int32)))
+        if not grads:
+            return dw, (sums, None)
+        g = _grad_logits(z, p, lse, valid_c, mine, index, opts).astype(w.dtype)
+        # bf16[C, V/n] @ bf16[V/n, D] -> [C, D]: this device's part of the input's gradient
+        dh = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        # bf16[V/n, C] @ bf16[C, D] -> f32[V/n, D], accumulated over the chunks
+        dw = dw + jnp.tensordot(g, h_c, axes=((0,), (0,)), preferred_element_type=jnp.float32)
+        return dw, (sums, dh)
+
+    init = None
+    if grads:
+        init = cast_varying(jnp.zeros(w.shape, jnp.float32), varying_axes(w))
+    dw, (sums, dh) = jax.lax.scan(body, init, (h, labels, valid))
+    loss, ce, correct = (jnp.sum(s) for s in sums)
+    return (loss, ce, correct), dh, dw
+
+
+def _split(h: Array, labels: Array, opts: _Options) -> tuple[Array, Array, Array]:
+    """`h` `[N, D]` and `labels` `[N]` padded to whole chunks: `[n, C, D]`, `[n, C]`, valid."""
+    n = h.shape[0]
+    chunks = -(-n // opts.chunk)
+    pad = chunks * opts.chunk - n
+    valid = jnp.arange(chunks * opts.chunk) < n
+    if pad:
+        h, labels = jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(labels, (0, pad))
+    if opts.ignore_index is not None:
+        valid = valid & (labels != opts.ignore_index)
+    shape = (chunks, opts.chunk)
+    return h.reshape(*shape, h.shape[1]), labels.reshape(shape), valid.reshape(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused(h: Array, w: Array, labels: Array, opts: _Options):
+    hs, ls, valid = _split(h, labels, opts)
+    (loss, ce, correct), _, _ = _scan(hs, w, ls, valid, opts, grads=False)
+    return loss, ce, correct
+
+
+def _fused_fwd(h: Array, w: Array, labels: Array, opts: _Options):
+    hs, ls, valid = _split(h, labels, opts)
+    (loss, ce, correct), dh, dw = _scan(hs, w, ls, valid, opts, grads=True)
+    dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
+    return (loss, ce, correct), (dh, dw)
+
+
+def _fused_bwd(opts: _Options, res: tuple[Array, Array], ct: tuple[Array, Array, Array]):
+    dh, dw = res
+    g = ct[0]
+    return (g * dh).astype(dh.dtype), (g * dw), None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_linear_cross_entropy(
+    hidden: Float[Array, "*batch dim"],
+    weight: Float[Array, "vocab_local dim"],
+    labels: Int[Array, "*batch"],
+    axis_name: AxisName | None = None,
+    *,
+    chunk_size: int | None = None,
+    ignore_index: int | None = None,
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+) -> CrossEntropySums:
+    """The cross-entropy of the logits `hidden @ weight.T`, chunk by chunk over the tokens.
+
+    No `[tokens, V]` array is formed, in any dtype: each chunk's logits
+    `[chunk_size, V/n]` are formed in the inputs' dtype, their maximum and
+    log-sum-exp taken in float32, and, when differentiated, the gradients of `hidden`
+    and `weight` accumulated chunk by chunk in the same pass (the backward pass only
+    scales them). Values and gradients equal those of the plain cross-entropy of the
+    full logits.
+
+    Inside a `shard_map` over `axis_name`, device `r` holds the vocabulary rows
+    `[r V/n, (r+1) V/n)` of the weight (a vocabulary-parallel head or tied embedding);
+    the maximum, the sum of exponentials, the target logit and the argmax are reduced
+    over the axis, one number per token. `hidden` is replicated over the axis, or typed
+    as varying over it (after `gather_tokens`, for sequence parallelism): its gradient
+    is this device's part, which the varying-axes check sums (or reduce-scatters) as
+    for any replicated input. Outside any `shard_map` it is the plain cross-entropy.
+
+    **Arguments:**
+
+    - `hidden`: the final hidden states `[..., D]` (local tokens, all of them on every
+      device of `axis_name`).
+    - `weight`: the output weight `[V/n, D]` (this device's rows; `[V, D]` unsplit).
+    - `labels`: the target ids `[...]` (global ids), replicated over the axis.
+    - `axis_name`: the mesh axis (or axes) the vocabulary is split over, or `None`.
+    - `chunk_size`: tokens per chunk (default: about 2²⁴ logits per chunk, see
+      `CHUNK_ELEMENTS`); the last chunk is padded.
+    - `ignore_index`: a label whose tokens count for nothing (no loss, no gradient, not
+      in `tokens`).
+    - `z_loss`: the coefficient of the z-loss `log(Z)²` added per token (PaLM's).
+    - `label_smoothing`: `ε`: the target is `(1 − ε)` on the label and `ε / V` on every
+      entry (optax's and PyTorch's smoothing).
+    - `softcap`: cap the logits as `softcap · tanh(logits / softcap)` (Gemma 2's) first.
+
+    **Returns:**
+
+    A `CrossEntropySums` of this device's tokens (the same on every device of
+    `axis_name`): `loss.loss / loss.tokens` is the mean. Only `loss` is differentiable.
+    """
+    if hidden.shape[:-1] != labels.shape or weight.shape[-1] != hidden.shape[-1]:
+        raise LayerConfigError(
+            f"fused_linear_cross_entropy: hidden {hidden.shape}, weight {weight.shape} and "
+            f"labels {labels.shape} do not fit (hidden [..., D], weight [V/n, D], labels [...])."
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise LayerConfigError(f"fused_linear_cross_entropy: chunk_size={chunk_size} must be positive.")
+    axes = axis_tuple(axis_name) if axis_name is not None and is_bound(axis_name) else ()
+    n = combined_axis_size(axes) if axes else 1
+    opts = _Options(
+        axes, chunk_size or default_chunk_size(weight.shape[0]), weight.shape[0] * n,
+        ignore_index, float(z_loss), float(label_smoothing), softcap,
+    )  # fmt: skip
+    h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
+    # Everything varies alike inside the rule: the casts' transposes sum the gradients
+    # of a replicated `hidden` over the vocabulary axis (and of `weight` over the data
+    # axes it is replicated on).
+    union = varying_axes(h) | varying_axes(weight)
+    if axes and vma_checked(axes):
+        union = union | set(axes)
+    if union:
+        h, weight = cast_varying((h, weight), union)
+    loss, ce, correct = cast(tuple[Array, Array, Array], _fused(h, weight, labels.reshape(-1), opts))
+    tokens = jnp.sum(_valid_labels(labels, ignore_index).astype(jnp.int32))
+    return CrossEntropySums(loss, jax.lax.stop_gradient(ce), tokens, correct)
+
+
+def _valid_labels(labels: Array, ignore_index: int | None) -> Array:
+    return jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
