@@ -78,28 +78,31 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {
     "base": Variant(prediction="the defaults"),
-    "unroll2": Variant(
-        gpt={"scan_unroll": 2},
-        prediction="fewer loop iterations: slices of the stacked weights fused into consumers; +1-3 %",
+    "scan-loop": Variant(
+        gpt={"scan_unroll": 1},
+        prediction="the layer stack as a loop (the default before scan_unroll): -25 % (measured once)",
     ),
-    "unroll-all": Variant(
-        gpt={"scan_unroll": 10**6},
-        prediction="straight-line layers: no stacking of residuals and gradients; +2-5 %, slower compile",
+    "unroll2": Variant(gpt={"scan_unroll": 2}, prediction="a loop of two layers an iteration"),
+    "unfused-ce": Variant(
+        gpt={"fused_loss": False},
+        prediction="logits [tokens, V] formed whole in float32: +3-4 GiB, a few % slower",
+    ),
+    "ce-chunk-1k": Variant(
+        gpt={"loss_chunk_size": 1024}, prediction="16 loss chunks of 1024 tokens: fewer iterations, +0.2 GiB"
+    ),
+    "ce-chunk-4k": Variant(
+        gpt={"loss_chunk_size": 4096}, prediction="4 loss chunks of 4096 tokens: fewer iterations, +0.8 GiB"
     ),
     "remat-dots": Variant(
         gpt={"remat": "dots"}, prediction="less memory, elementwise work recomputed: -5-10 % speed"
     ),
     "no-triton-gemm": Variant(
         xla_flags="--xla_gpu_enable_triton_gemm=false",
-        prediction="cuBLAS for every product, no Triton GEMM fusions: +-2 %",
+        prediction="cuBLAS for every product, no Triton GEMM fusions: +6 % (measured once)",
     ),
     "no-command-buffer": Variant(
         xla_flags="--xla_gpu_enable_command_buffer=",
         prediction="no CUDA graphs: launch overhead shows: -1-3 %",
-    ),
-    "autotune-0": Variant(
-        xla_flags="--xla_gpu_autotune_level=0",
-        prediction="no GEMM autotuning: shorter compile, slower products",
     ),
 }
 
@@ -585,7 +588,9 @@ class Runner:
         return row
 
     def torch(self, configs: list[str]) -> None:
-        if self.args.no_torch or self.left() < 30:
+        if self.args.torch_configs is not None:
+            configs = [c for c in configs if c in self.args.torch_configs.split(",")]
+        if self.args.no_torch or not configs or self.left() < 30:
             return
         if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode:
             print("torch is not importable: the PyTorch side is skipped", flush=True)
@@ -662,13 +667,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="124m-1k,124m-2k,1.3b-2k,llama-1k")
-    parser.add_argument("--variants", default="unroll2,unroll-all,no-triton-gemm,no-command-buffer")
+    parser.add_argument("--configs", default="124m-1k,124m-2k,350m-2k,1.3b-2k,llama-1k")
+    parser.add_argument(
+        "--variants", default="scan-loop,unfused-ce,ce-chunk-1k,ce-chunk-4k,no-triton-gemm"
+    )
     parser.add_argument("--best", action="store_true", help="measure the rest with the winning variants")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--no-plain", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--torch-configs", help="the configs PyTorch runs (default: every GPT config)")
     parser.add_argument("--profile", action="store_true", help="a kernel-time profile of the first config")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with the tiny configs (a check)")
     parser.add_argument("--list", action="store_true", help="list the variants and exit")

@@ -182,13 +182,15 @@ def _fused_fwd(h: Array, w: Array, labels: Array, opts: _Options):
     hs, ls, valid = _split(h, labels, opts)
     (loss, ce, correct), dh, dw = _scan(hs, w, ls, valid, opts, grads=True)
     dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
-    return (loss, ce, correct), (dh, dw)
+    # dw is accumulated in float32; an empty array carries the weight's dtype to the
+    # backward rule, whose cotangent must have it (bf16 weights under mixed precision).
+    return (loss, ce, correct), (dh, dw, jnp.zeros((0,), w.dtype))
 
 
-def _fused_bwd(opts: _Options, res: tuple[Array, Array], ct: tuple[Array, Array, Array]):
-    dh, dw = res
+def _fused_bwd(opts: _Options, res: tuple[Array, Array, Array], ct: tuple[Array, Array, Array]):
+    dh, dw, w_dtype = res
     g = ct[0]
-    return (g * dh).astype(dh.dtype), (g * dw), None
+    return (g * dh).astype(dh.dtype), (g * dw).astype(w_dtype.dtype), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
