@@ -251,7 +251,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(fill("  " + line, width))
     if profile is not None:
         print()
-        print("\n".join(fill(line, width) for line in _time_estimate(args, report, profile)))
+        print("\n".join(fill(line, width) for line in _time_estimate(args, report, profile, state)))
     total = time.perf_counter() - start
     print(
         f"\nplanned in {total:.1f} s ({facts['lower_seconds']:.1f} s tracing, "
@@ -284,53 +284,114 @@ def add_remat_options(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+# The step-time model of `plan --device` (the "inspect and plan" guide states its error).
+MATMUL_EFFICIENCY = 0.8
+"""Matrix products at 0.8 of the dense peak: a bf16 8192³ product measures 790-800 TFLOP/s
+of 989 on an H100 and an H200."""
+BANDWIDTH_EFFICIENCY = 0.9
+"""Memory-bound work at 0.9 of the HBM bandwidth: device copies measure 3.0 of 3.35 TB/s
+(H100) and 4.3 of 4.8 TB/s (H200)."""
+ELEMENTWISE_BYTES = 5.75
+"""HBM bytes moved per elementwise element of a token (`gpt_elementwise_per_token`),
+calibrated on the 124 M GPT's measured H100 step (16 x 1024 tokens, bf16)."""
+UPDATE_PASSES = 10 / 3
+"""HBM passes of the update over the parameters and optimizer state (AdamW in float32
+reads and writes master weights and moments, reads the gradient and writes the bf16 copy:
+about 40 bytes a parameter against 12 of state)."""
+
+
+def gpt_elementwise_per_token(config: Any) -> int:
+    """Elementwise elements a token costs in a GPT step, forward and backward: per layer
+    12 passes over `d_model` (norms, residuals, rotary, casts) and 6 over `d_ff` (the
+    SwiGLU product), and 6 over the vocabulary (the loss's softmax and its gradient)."""
+    per_layer = 12 * config.d_model + 6 * config.d_ff
+    return config.n_layers * per_layer + 6 * config.vocab_size
+
+
 def step_time_estimate(
-    flops_per_device: float, bytes_per_device: float, profile: Any, dtype: str
+    flops_per_device: float,
+    bytes_per_device: float,
+    profile: Any,
+    dtype: str,
+    *,
+    memory_bytes_per_device: float = 0.0,
 ) -> dict[str, float]:
-    """Bounds on a step's time on `profile`'s devices, from its model FLOPs and the bytes
-    each device sends.
+    """A step's time on `profile`'s devices, from its model FLOPs, the HBM bytes its
+    memory-bound work moves and the bytes each device sends.
 
     **Returns:**
 
-    `compute_s` (the FLOPs at the device's peak), `communication_s` (the bytes over its
-    link bandwidth), `overlapped_s` (the larger of the two: communication hidden behind
-    compute), `serial_s` (their sum: none hidden), and the MFU each time gives
-    (`mfu_overlapped`, `mfu_serial`).
+    `matmul_s` (the FLOPs at `MATMUL_EFFICIENCY` of the peak), `memory_s` (the HBM bytes
+    at `BANDWIDTH_EFFICIENCY` of the bandwidth), `compute_s` (their sum),
+    `communication_s` (the bytes sent over the link bandwidth), `overlapped_s` (the larger
+    of compute and communication: communication hidden), `serial_s` (their sum: none
+    hidden), and the MFU each time gives (`mfu_overlapped`, `mfu_serial`).
     """
-    compute = flops_per_device / profile.peak_flops[dtype]
+    peak = profile.peak_flops[dtype]
+    matmul = flops_per_device / (MATMUL_EFFICIENCY * peak)
+    memory = memory_bytes_per_device / (BANDWIDTH_EFFICIENCY * profile.memory_bandwidth)
+    compute = matmul + memory
     communication = bytes_per_device / profile.link_bandwidth
     overlapped, serial = max(compute, communication), compute + communication
+    ideal = flops_per_device / peak
     return {
+        "matmul_s": matmul,
+        "memory_s": memory,
         "compute_s": compute,
         "communication_s": communication,
         "overlapped_s": overlapped,
         "serial_s": serial,
-        "mfu_overlapped": compute / overlapped if overlapped else 0.0,
-        "mfu_serial": compute / serial if serial else 0.0,
+        "mfu_overlapped": ideal / overlapped if overlapped else 0.0,
+        "mfu_serial": ideal / serial if serial else 0.0,
     }
 
 
-def _time_estimate(args: argparse.Namespace, report: Any, profile: Any) -> list[str]:
-    from .report import gpt_flops_per_token, preset
+def gpt_step_estimate(
+    config: Any, seq_len: int, tokens_per_device: float | int, state_bytes: float | int, profile: Any,
+    dtype: str, bytes_sent: float | int = 0.0,
+) -> dict[str, float]:  # fmt: skip
+    """`step_time_estimate` of a GPT step: `tokens_per_device` tokens' model FLOPs and
+    elementwise bytes, and the update's passes over `state_bytes` of parameters and
+    optimizer state per device."""
+    from .report import gpt_flops_per_token
+
+    flops = gpt_flops_per_token(config, seq_len) * tokens_per_device
+    memory = tokens_per_device * ELEMENTWISE_BYTES * gpt_elementwise_per_token(config)
+    memory += UPDATE_PASSES * state_bytes
+    return step_time_estimate(
+        float(flops), float(bytes_sent), profile, dtype, memory_bytes_per_device=float(memory)
+    )
+
+
+def _time_estimate(args: argparse.Namespace, report: Any, profile: Any, state: float) -> list[str]:
+    from .report import preset
 
     tokens = args.batch_size * args.seq_len
-    flops = gpt_flops_per_token(preset(args.model), args.seq_len) * tokens / args.devices
-    peak = profile.peak_flops[args.dtype]
-    e = step_time_estimate(flops, report.collective_bytes, profile, args.dtype)
+    config = preset(args.model)
+    e = gpt_step_estimate(
+        config, args.seq_len, tokens / args.devices, state, profile, args.dtype,
+        report.collective_bytes,
+    )  # fmt: skip
     return [
         f"Step time on {args.devices} x {profile.description} (an estimate, not a measurement):",
-        f"  compute: {flops / 1e12:,.3g} TFLOP of model FLOPs per device at {peak / 1e12:,.0f} "
-        f"TFLOP/s ({args.dtype} peak) = {_duration(e['compute_s'])}",
+        f"  matrix products: {e['matmul_s'] * MATMUL_EFFICIENCY * profile.peak_flops[args.dtype] / 1e12:,.3g} "
+        f"TFLOP of model FLOPs per device at {MATMUL_EFFICIENCY:.0%} of "
+        f"{profile.peak_flops[args.dtype] / 1e12:,.0f} TFLOP/s ({args.dtype} peak) = {_duration(e['matmul_s'])}",
+        f"  memory-bound work: {e['memory_s'] * BANDWIDTH_EFFICIENCY * profile.memory_bandwidth / 1e9:,.3g} GB "
+        f"of HBM traffic per device at {BANDWIDTH_EFFICIENCY:.0%} of "
+        f"{profile.memory_bandwidth / 1e12:,.2f} TB/s = {_duration(e['memory_s'])}",
         f"  communication: {report.collective_bytes / 2**20:,.1f} MiB per device at "
         f"{profile.link_bandwidth / 1e9:,.0f} GB/s = {_duration(e['communication_s'])}",
         f"  estimated step time {_duration(e['overlapped_s'])} to {_duration(e['serial_s'])}, "
         f"MFU {100 * e['mfu_serial']:.1f}% to {100 * e['mfu_overlapped']:.1f}%, "
         f"{tokens / e['serial_s']:,.0f} to {tokens / e['overlapped_s']:,.0f} tokens/s",
-        "  assumptions: matrix units at their dense peak (real kernels reach 40-70% of it, so "
-        "the step is slower and MFU lower); model FLOPs 6N + 12 L d T per token (no "
-        "recomputation); the collectives' ring-algorithm bytes at the per-device link "
-        "bandwidth, fully hidden behind compute (the lower time) or not at all (the higher); "
-        "no pipeline bubble, host or input time; HBM traffic not modelled.",
+        "  assumptions: calibrated on one H100 (the 124 M GPT's bf16 step; within 11% of the "
+        "measured 350 M and 1.3 B steps): matrix products at 80% of the peak, elementwise "
+        "work per token from the layer sizes at 90% of the HBM bandwidth, the update's "
+        "passes over the parameters and optimizer state; model FLOPs 6N + 12 L d T per "
+        "token (no recomputation); the collectives' ring-algorithm bytes at the per-device "
+        "link bandwidth, hidden behind compute (the lower time) or not at all (the higher); "
+        "no pipeline bubble, host or input time.",
     ]
 
 
