@@ -385,7 +385,7 @@ def _time_estimate(args: argparse.Namespace, report: Any, profile: Any, state: f
         f"  estimated step time {_duration(e['overlapped_s'])} to {_duration(e['serial_s'])}, "
         f"MFU {100 * e['mfu_serial']:.1f}% to {100 * e['mfu_overlapped']:.1f}%, "
         f"{tokens / e['serial_s']:,.0f} to {tokens / e['overlapped_s']:,.0f} tokens/s",
-        "  assumptions: calibrated on one H100 (the 124 M GPT's bf16 step; within 11% of the "
+        "  assumptions: calibrated on one H100 (the 124 M GPT's bf16 step; within 12% of the "
         "measured 350 M and 1.3 B steps): matrix products at 80% of the peak, elementwise "
         "work per token from the layer sizes at 90% of the HBM bandwidth, the update's "
         "passes over the parameters and optimizer state; model FLOPs 6N + 12 L d T per "
