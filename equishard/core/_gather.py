@@ -22,7 +22,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
-from .._axes import AxisName, axis_tuple, cast_varying, combined_axis_size, varying_axes, vma_checked
+from .._axes import (
+    AxisName,
+    axis_tuple,
+    cast_varying,
+    combined_axis_size,
+    varying_axes,
+    vma_checked,
+)
 from .._errors import ConventionError
 from ._collectives import _normalise_dim
 
