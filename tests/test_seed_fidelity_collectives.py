@@ -1,7 +1,9 @@
 """xLSTM-JAX's ring collectives: equishard's `async_*` against the reference's oracle.
 
 Values and gradients on distinct per-device inputs, on axes of size 2, 3 (a 3-device
-sub-mesh) and 4. One compiled program per axis size holds every function.
+sub-mesh) and 4; `async_scatter_split` also on an odd last dimension (3), which the
+reference (xlstm_jax/distributed/tensor_parallel.py, `async_scatter_split`) splits as
+`x[..., :1]` up the ring and `x[..., 1:]` down. One compiled program per axis size holds every function.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _ours(n):
         "scatter_up": lambda x: async_scatter(list(x), "x"),
         "scatter_down": lambda x: async_scatter(list(x), "x", False),
         "scatter_split": lambda x: async_scatter_split(list(x), "x"),
+        "scatter_split_odd": lambda x: async_scatter_split(list(x[..., :3]), "x"),
     }
 
 
@@ -59,6 +62,8 @@ def _reference(n):
         "scatter_up": lambda x: ref.async_scatter(list(x), "x"),
         "scatter_down": lambda x: ref.async_scatter(list(x), "x", False),
         "scatter_split": lambda x: ref.async_scatter_split(list(x), "x"),
+        # tensor_parallel.py `async_scatter_split`'s `_split`: x[..., :d // 2], x[..., d // 2:]
+        "scatter_split_odd": lambda x: ref.async_scatter_split(list(x[..., :3]), "x"),
     }
 
 

@@ -3,8 +3,9 @@
 `shard_params`, `gather_array_with_mean_grads`, `gather_params`, `shard_module_params`,
 `sync_gradients`, `execute_pipeline_step`, `execute_pipeline`: values and gradients on
 distinct per-device inputs, on axes of size 2, 3 (a 3-device sub-mesh) and 4, in the
-reference's convention (a local loss per device, `check_vma=False`). The reference's
-own test of `gather_array_with_mean_grads` is ported.
+reference's convention (a local loss per device), with `check_vma=False` and — where
+the reference's result holds there — with JAX's default varying-axes check on. The
+reference's own test of `gather_array_with_mean_grads` is ported and run both ways.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import equishard as es
+from equishard._axes import cast_varying
 from equishard.core import (
     execute_pipeline,
     execute_pipeline_step,
@@ -103,7 +105,7 @@ def test_shard_params_reads_the_local_block_inside_shard_map():
 
 
 @functools.cache
-def mean_grads_program(n, gather_dtype=None, grad_scatter_dtype=None):
+def mean_grads_program(n, check_vma=False, gather_dtype=None, grad_scatter_dtype=None):
     def local(w, x):
         def loss(gather):
             def f(w):
@@ -115,23 +117,28 @@ def mean_grads_program(n, gather_dtype=None, grad_scatter_dtype=None):
 
         return loss(gather_array_with_mean_grads), loss(ref.gather_array_with_mean_grads)
 
-    return smap(local, n, (P("x"), P("x")), P("x"))
+    return smap(local, n, (P("x"), P("x")), P("x"), check_vma)
 
 
+@pytest.mark.parametrize("check_vma", [False, True])
 @pytest.mark.parametrize("n", SIZES)
-def test_gather_array_with_mean_grads_matches_reference(n):
+def test_gather_array_with_mean_grads_matches_reference(n, check_vma):
+    """xlstm_jax/distributed/data_parallel.py `gather_array_with_mean_grads`, a local loss
+    per device; with the varying-axes check on too (the shard varies along the axis)."""
     w = jax.random.normal(jax.random.key(0), (2 * n, 3))
     x = jax.random.normal(jax.random.key(1), (4 * n, 2 * n))  # 4 distinct examples per device
-    (ours, ours_g), (theirs, theirs_g) = mean_grads_program(n)(w, x)
+    (ours, ours_g), (theirs, theirs_g) = mean_grads_program(n, check_vma)(w, x)
     np.testing.assert_array_equal(ours, theirs)
     assert_tree_allclose(ours_g, theirs_g)
     # And the local-loss convention's meaning: the gradient of the mean loss.
     assert_tree_allclose(ours_g, jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w))
 
 
-def test_reference_gather_dtype_and_grad_scatter_dtype():
-    """Port of xlstm-jax tests/distributed/test_data_parallel.py (smaller shapes; the six
-    dtype combinations in one compiled program)."""
+@functools.cache
+def reference_test_grads(check_vma):
+    """The gradients of xlstm-jax tests/distributed/test_data_parallel.py
+    `test_gather_array_with_mean_grads_scatter_dtype` (smaller shapes; the six dtype
+    combinations in one compiled program), its `shard_map` with or without the check."""
     n, hidden_per_device, batch, output = 4, 16, 32, 8
     combos = [(g, sc) for g in ("float32", "bfloat16") for sc in ("float32", "bfloat16", "float16")]
 
@@ -154,8 +161,20 @@ def test_reference_gather_dtype_and_grad_scatter_dtype():
 
         return {f"{g}/{sc}": grads(g, sc) for g, sc in combos}
 
-    out = smap(local, n, P(), P("x"))(jax.random.key(0))
-    grads = {tuple(k.split("/")): np.asarray(v) for k, v in out.items()}
+    out = smap(local, n, P(), P("x"), check_vma)(jax.random.key(0))
+    return {tuple(k.split("/")): np.asarray(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_reference_gather_dtype_and_grad_scatter_dtype(check_vma):
+    """Port of xlstm-jax tests/distributed/test_data_parallel.py
+    `test_gather_array_with_mean_grads_scatter_dtype`: its assertions, with `shard_map`'s
+    check off and on (the reference's own test runs JAX's default, the check on), and the
+    gradients with the check on identical to those with it off."""
+    grads = reference_test_grads(check_vma)
+    if check_vma:
+        for combo, g in reference_test_grads(False).items():
+            np.testing.assert_array_equal(grads[combo], g, err_msg=str(combo))
     np.testing.assert_allclose(grads["float32", "float32"], grads["bfloat16", "float32"])
     np.testing.assert_allclose(grads["float32", "bfloat16"], grads["bfloat16", "bfloat16"])
     assert not np.all(grads["float32", "float32"] == grads["float32", "bfloat16"])
@@ -207,31 +226,38 @@ class _MLP(eqx.Module):
 
 
 @functools.cache
-def recipe_program(n):
-    """xLSTM-JAX's FSDP recipe: shard_module_params, a local loss, check_vma=False, sync_gradients."""
+def recipe_program(n, check_vma=False):
+    """xLSTM-JAX's FSDP recipe: shard_module_params, a local loss, sync_gradients; under
+    the varying-axes check with the parameters first cast to vary along the axis (each
+    device's gradient its own, as the reference's under check_vma=False)."""
     mesh = line_mesh(n)
 
     def local(model, x, t):
         def local_loss(model):
             return jnp.mean((jax.vmap(model)(x) - t) ** 2)
 
+        if check_vma:
+            model = cast_varying(model, ("x",))
         loss, grads = eqx.filter_value_and_grad(local_loss)(model)
         grads = es.sync_gradients(grads, ("x",))
         return jax.lax.pmean(loss, "x"), grads
 
-    fn = es.filter_shard_map(local, mesh=mesh, in_specs=(None, P("x"), P("x")), out_specs=(P(), None), check_vma=False)
+    fn = es.filter_shard_map(local, mesh=mesh, in_specs=(None, P("x"), P("x")), out_specs=(P(), None), check_vma=check_vma)
     return eqx.filter_jit(fn)
 
 
+@pytest.mark.parametrize("check_vma", [False, True])
 @pytest.mark.parametrize("n", SIZES)
-def test_shard_module_params_recipe_gives_single_device_gradients(n):
+def test_shard_module_params_recipe_gives_single_device_gradients(n, check_vma):
+    """xlstm_jax/distributed/data_parallel.py `shard_module_params` + `sync_gradients`,
+    each device's local loss, with the check off (the reference's trainer) and on."""
     key = jax.random.key(7)
     plain = _MLP(key=key)
     sharded = es.sharded_init(lambda k: shard_module_params(_MLP(key=k), "x", 0), key, mesh=line_mesh(n))
     assert es.specs_of(sharded.module.layers[0].weight) == P("x", None)  # [24, 12]
     x = jax.random.normal(jax.random.key(8), (4 * n, 12))
     t = jax.random.normal(jax.random.key(9), (4 * n, 12))
-    loss, grads = recipe_program(n)(sharded, x, t)
+    loss, grads = recipe_program(n, check_vma)(sharded, x, t)
     ref_loss, ref_grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - t) ** 2))(plain)
     assert_tree_allclose(loss, ref_loss)
     assert_tree_allclose(es.unbox(es.gather(grads.module)), ref_grads)
@@ -258,22 +284,41 @@ def test_sync_gradients_matches_reference(n):
     assert_tree_allclose(ours["replicated"][0], g.mean(0))
 
 
-def test_local_loss_functions_refuse_the_varying_axes_check():
-    n = 2
-    mesh = line_mesh(n)
-    calls = {
-        "gather_array_with_mean_grads": lambda w: gather_array_with_mean_grads(w, 0, "x"),
-        "gather_params": lambda w: gather_params(es.shard_params({"w": w}, "x", 0), "x")["w"],
-        "sync_gradients": lambda w: es.sync_gradients({"w": w}, ("x",))["w"],
-    }
-    for name, call in calls.items():
-        fn = jax.shard_map(call, mesh=mesh, in_specs=P(), out_specs=P("x"))
-        with pytest.raises(es.ConventionError, match=rf"{name} follows the local-loss.*check_vma=False.*global-loss"):
-            fn(jnp.ones((4, 2)))
-    model = es.sharded_init(lambda k: shard_module_params(eqx.nn.Linear(4, 4, key=k), "x", 0), jax.random.key(0), mesh=mesh)
-    fn = es.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(None, P()), out_specs=P())
-    with pytest.raises(es.ConventionError, match="shard_module_params follows the local-loss"):
-        fn(model, jnp.ones((4,)))
+def test_local_loss_functions_refuse_only_what_the_check_makes_wrong():
+    """Under the varying-axes check the local-loss functions refuse what cannot be the
+    reference's result (data_parallel.py's `gather_array_with_mean_grads` on a replicated
+    array, `sync_gradients` of a gradient JAX already summed), and the train step refuses
+    shard_module_params (mean gradients under its global loss)."""
+    mesh = line_mesh(2)
+    replicated = jax.shard_map(
+        lambda w: gather_array_with_mean_grads(w, 0, "x"), mesh=mesh, in_specs=P(), out_specs=P()
+    )
+    with pytest.raises(es.ConventionError, match=r"gather_array_with_mean_grads: .*shape \(4, 2\) is invariant along 'x'"):
+        replicated(jnp.ones((4, 2)))
+    # gather_params of shard_params's shards: varying, the reference's gradient.
+    sharded = jax.shard_map(
+        lambda w: gather_params(es.shard_params({"w": w}, "x", 0), "x")["w"], mesh=mesh, in_specs=P(), out_specs=P("x")
+    )
+    assert sharded(jnp.ones((4, 2))).shape == (8, 2)  # each device's gathered copy
+
+    def synced(w, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))({"w": w})
+        return es.sync_gradients(grads, ("x",))["w"]
+
+    fn = jax.shard_map(synced, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+    with pytest.raises(es.ConventionError, match=r"sync_gradients: the gradient `\['w'\]` \(shape \(2, 2\)\) is invariant along 'x'.*pcast"):
+        fn(jnp.ones((2, 2)), jnp.ones((4, 2)))
+
+    import optax
+
+    from equishard.train import init_train_state, make_train_step
+
+    model_fn = lambda k: shard_module_params(eqx.nn.Linear(4, 4, key=k), "x", 0)
+    state = init_train_state(model_fn, optax.sgd(0.1), jax.random.key(0), mesh=mesh)
+    loss_fn = lambda m, b, k: (jax.lax.pmean(jnp.mean(jax.vmap(m)(b) ** 2), "x"), {})
+    step = make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, batch_spec=P("x"))
+    with pytest.raises(es.ConventionError, match=r"make_train_step: the model holds an FSDP unit with mean_grads=True"):
+        step(state, jnp.ones((4, 4)))
 
 
 # ------------------------------------------------------------------------ pipeline

@@ -1,9 +1,10 @@
 """TPDense / TPAsyncDense: feature-split tensor parallelism as in the xLSTM library.
 
 Against the single-device dense layers (values, every gradient) and against an oracle
-written from xlstm-jax's `TPDense` / `TPAsyncDense` (values and input gradients), on
-axes of size 2, 3 (a sub-mesh) and 4 and on dp=2 x tp=4; one compiled program per mesh
-holds every layer.
+written from xlstm-jax's `TPDense` / `TPAsyncDense` (xlstm_jax/distributed/
+tensor_parallel.py: values and input gradients, and `TPAsyncDense`'s "scatter"
+parameters, one `[in/n, out/n]` kernel per ring step), on axes of size 2, 3 (a
+sub-mesh) and 4 and on dp=2 x tp=4; one compiled program per mesh holds every layer.
 """
 
 from __future__ import annotations
@@ -39,14 +40,19 @@ def mesh_of(n: int, dp: int = 1) -> Mesh:
 
 
 def build(n, dp=1):
-    """For each variant, a gather layer D -> F and a scatter layer F -> D (same keys)."""
+    """For each variant, a gather layer D -> F and a scatter layer F -> D (same keys).
+
+    "scatter" takes `TPDense`'s `Dense(F // n, D)` and, as xlstm-jax's `TPAsyncDense`
+    (`dense_fn(name=f"shard_{i}")` per ring step), `TPAsyncDense`'s `Dense(F // n, D // n)`.
+    """
     kg, ks = jax.random.split(jax.random.key(3))
 
     def make():
         layers = {}
         for name, (cls, kw) in VARIANTS.items():
             up = cls(functools.partial(Dense, D, F // n), "tp", "gather", kernel_init_adjustment=0.5, key=kg, **_gather_kw(kw))
-            down = cls(functools.partial(Dense, F // n, D), "tp", "scatter", key=ks, **_scatter_kw(kw))
+            out = D if cls is TPDense or n == 1 else D // n
+            down = cls(functools.partial(Dense, F // n, out), "tp", "scatter", key=ks, **_scatter_kw(kw))
             layers[name] = (up, down)
         return layers
 
@@ -55,13 +61,70 @@ def build(n, dp=1):
     kb = jax.random.key(4)
     bias_up = jax.random.normal(kb, (F,))
     bias_down = jax.random.normal(jax.random.fold_in(kb, 1), (D,))
-    return {
-        k: (
-            eqx.tree_at(lambda m: m.dense["module"].bias.value, up, es.shard(bias_up, mesh_of(n, dp), P("tp"))),
-            eqx.tree_at(lambda m: m.dense["module"].bias.value, down, es.shard(bias_down, mesh_of(n, dp), P("tp"))),
-        )
-        for k, (up, down) in layers.items()
-    }
+    out = {}
+    for k, (up, down) in layers.items():
+        up = eqx.tree_at(lambda m: m.dense["module"].bias.value, up, es.shard(bias_up, mesh_of(n, dp), P("tp")))
+        if "shard_0" in down.dense:  # the reference's layout: device j holds its ring step 0's
+            stored = ref_scatter_bias(bias_down, n, down.use_bidirectional_scatter)
+            down = eqx.tree_at(lambda m: m.dense["shard_0"].bias.value, down, es.shard(stored, mesh_of(n, dp), P("tp")))
+        else:
+            down = eqx.tree_at(lambda m: m.dense["module"].bias.value, down, es.shard(bias_down, mesh_of(n, dp), P("tp")))
+        out[k] = (up, down)
+    return out
+
+
+def _scatter_destinations(n, k, j, bidirectional):
+    """Where device j's ring step k output goes, from tensor_parallel.py's `async_scatter`
+    (`xs[k]` is shifted up k + 1 times) and `async_scatter_split` (first part up, rest down)."""
+    return (j - k - 1) % n, ((j + k + 1) % n if bidirectional else (j - k - 1) % n)
+
+
+def ref_scatter_bias(bias, n, bidirectional):
+    """shard_0's bias on each device (the reference adds it before the scatter), as [out]."""
+    blocks = np.split(np.asarray(bias), n)
+    half = len(blocks[0]) // 2 if bidirectional else len(blocks[0])
+    rows = []
+    for j in range(n):
+        lo, hi = _scatter_destinations(n, 0, j, bidirectional)
+        rows.append(np.concatenate([blocks[lo][:half], blocks[hi][half:]]))
+    return jnp.asarray(np.concatenate(rows))
+
+
+def ref_scatter_kernels(kernel, n, bidirectional):
+    """Each device's per-ring-step kernels `[n devices, n steps, in/n, out/n]` of the global
+    `[in, out]`: device j's step k computes the output block(s) it sends on."""
+    rows = np.split(np.asarray(kernel), n, axis=0)
+    c = kernel.shape[1] // n
+    half = c // 2 if bidirectional else c
+    out = np.zeros((n, n, kernel.shape[0] // n, c), np.float32)
+    for j in range(n):
+        cols = np.split(rows[j], n, axis=1)
+        for k in range(n):
+            lo, hi = _scatter_destinations(n, k, j, bidirectional)
+            out[j, k] = np.concatenate([cols[lo][:, :half], cols[hi][:, half:]], axis=1)
+    return out
+
+
+def scatter_global(layer):
+    """The global kernel and bias a "scatter" layer computes with, from its stored arrays."""
+    if "shard_0" not in layer.dense:
+        m = layer.dense["module"]
+        return m.kernel.value, m.bias.value
+    n, bi = len(layer.dense), layer.use_bidirectional_scatter
+    stored = np.stack([np.split(np.asarray(layer.dense[f"shard_{k}"].kernel.value), n) for k in range(n)], 1)
+    b_stored = np.split(np.asarray(layer.dense["shard_0"].bias.value), n)
+    r, c = stored.shape[2:]
+    half = c // 2 if bi else c
+    kernel, bias = np.zeros((n * r, n * c), np.float32), np.zeros((n * c,), np.float32)
+    for j in range(n):
+        for k in range(n):
+            lo, hi = _scatter_destinations(n, k, j, bi)
+            kernel[j * r : (j + 1) * r, lo * c : lo * c + half] = stored[j, k][:, :half]
+            kernel[j * r : (j + 1) * r, hi * c + half : (hi + 1) * c] = stored[j, k][:, half:]
+            if k == 0:
+                bias[lo * c : lo * c + half] = b_stored[j][:half]
+                bias[hi * c + half : (hi + 1) * c] = b_stored[j][half:]
+    return jnp.asarray(kernel), jnp.asarray(bias)
 
 
 def _gather_kw(kw):
@@ -73,6 +136,8 @@ def _scatter_kw(kw):
 
 
 def global_params(layer):
+    if layer.tp_mode == "scatter":
+        return scatter_global(layer)
     m = layer.dense["module"]
     return m.kernel.value, m.bias.value
 
@@ -149,7 +214,7 @@ def _blocks(a, n, dim):
 def oracle_program(n):
     mesh = mesh_of(n)
 
-    def body(layers, x, up_k, dn_k, dn_k_split):
+    def body(layers, x, up_k, dn_k, dn_k_split, dn_b, dn_b_split):
         # ours
         def ours(x, name):
             up, down = layers[name]
@@ -168,13 +233,10 @@ def oracle_program(n):
             gather = ref.async_gather_bidirectional if bidirectional else ref.async_gather
             xs = gather(x, "tp")
             h = jax.nn.gelu(sum(xk @ up_k[0, k] for k, xk in enumerate(xs)) + bg[None, None])
-            if bidirectional:
-                ys = [h @ dn_k_split[0, k] for k in range(n)]
-                y = ref.async_scatter_split(ys, "tp")
-            else:
-                ys = [h @ dn_k[0, k] for k in range(n)]
-                y = ref.async_scatter(ys, "tp")
-            return y + bs[None, None]
+            # TPAsyncDense "scatter": shard_i's dense per ring step, use_bias=(i == 0)
+            kernels, bias = (dn_k_split, dn_b_split) if bidirectional else (dn_k, dn_b)
+            ys = [h @ kernels[0, k] + (bias[0][None, None] if k == 0 else 0.0) for k in range(n)]
+            return (ref.async_scatter_split if bidirectional else ref.async_scatter)(ys, "tp")
 
         res = {}
         for name, fn in (
@@ -188,39 +250,70 @@ def oracle_program(n):
         return res
 
     spec = P(None, None, "tp")
-    return eqx.filter_jit(
-        es.filter_shard_map(body, mesh=mesh, in_specs=(None, spec, P("tp"), P("tp"), P("tp")), out_specs=spec, check_vma=False)
-    )
+    in_specs = (None, spec, P("tp"), P("tp"), P("tp"), P("tp"), P("tp"))
+    return eqx.filter_jit(es.filter_shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False))
 
 
 @pytest.mark.parametrize("n", SIZES)
 def test_tp_dense_matches_reference_oracle(n):
+    """xlstm_jax/distributed/tensor_parallel.py `TPDense.__call__` / `TPAsyncDense.__call__`:
+    values, input gradients and (`TPAsyncDense` "scatter") each device's `shard_i` kernels."""
     layers = build(n)
-    (kg, _), (ks, _) = [global_params(l) for l in layers["sync"]]
+    (kg, _), (ks, bs) = [global_params(l) for l in layers["sync"]]
     rows = _blocks(kg, n, 0)  # kg: [D, F]; rows of device d: [D/n, F]
     up_k = np.stack([[_blocks(rows[(i - k) % n], n, 1)[i] for k in range(n)] for i in range(n)])
-    cols = _blocks(ks, n, 1)  # ks: [F, D]; columns of device d: [F, D/n]
-    mine = lambda i: _blocks(ks, n, 0)[i]
-    dn_k = np.stack([[_blocks(mine(i), n, 1)[(i - k - 1) % n] for k in range(n)] for i in range(n)])
-    half = D // n // 2
-    dn_k_split = np.stack(
-        [
-            [
-                np.concatenate(
-                    [_blocks(mine(i), n, 1)[(i - k - 1) % n][:, :half], _blocks(mine(i), n, 1)[(i + k + 1) % n][:, half:]],
-                    axis=1,
-                )
-                for k in range(n)
-            ]
-            for i in range(n)
-        ]
-    )
-    del cols
+    dn_k, dn_k_split = ref_scatter_kernels(ks, n, False), ref_scatter_kernels(ks, n, True)
+    dn_b = np.asarray(ref_scatter_bias(bs, n, False)).reshape(n, -1)
+    dn_b_split = np.asarray(ref_scatter_bias(bs, n, True)).reshape(n, -1)
+    # The reference's parameter layout: shard_k's kernel on device j is [in/n, out/n].
+    for name, kernels in (("async_uni", dn_k), ("async_bi", dn_k_split)):
+        down = layers[name][1]
+        assert sorted(down.dense) == [f"shard_{k}" for k in range(n)]
+        assert all(down.dense[f"shard_{k}"].bias is None for k in range(1, n))
+        for k in range(n):
+            stored = np.split(np.asarray(down.dense[f"shard_{k}"].kernel.value), n)
+            np.testing.assert_array_equal(np.stack(stored), kernels[:, k])
     x = jax.random.normal(jax.random.key(8), (B, T, D))
-    res = oracle_program(n)(layers, x, up_k, dn_k, dn_k_split)
+    res = oracle_program(n)(layers, x, up_k, dn_k, dn_k_split, dn_b, dn_b_split)
     for o, r, go, gr in res.values():
         assert_tree_allclose(o, r)
         assert_tree_allclose(go, gr)
+
+
+@functools.cache
+def odd_program(n):
+    def body(layer, x, ct):
+        y, vjp = jax.vjp(lambda layer, x: layer(x), layer, x)
+        return y, vjp(ct)
+
+    spec = P(None, "tp")
+    return eqx.filter_jit(es.filter_shard_map(body, mesh=mesh_of(n), in_specs=(None, spec, spec), out_specs=(spec, (None, spec))))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_tp_async_dense_bidirectional_scatter_with_odd_local_features(n):
+    """xlstm_jax/distributed/tensor_parallel.py `TPAsyncDense.__call__` with
+    `use_bidirectional_scatter=True` and `async_scatter_split`'s `_split`
+    (`x[..., :d // 2]` up, `x[..., d // 2:]` down): 3 output features per device."""
+    out = 3 * n
+    layer = es.sharded_init(
+        lambda: TPAsyncDense(functools.partial(Dense, F // n, 3), "tp", "scatter", use_bidirectional_scatter=True, key=jax.random.key(11)),
+        mesh=mesh_of(n),
+    )
+    bias = jax.random.normal(jax.random.key(12), (out,))
+    layer = eqx.tree_at(lambda m: m.dense["shard_0"].bias.value, layer, es.shard(ref_scatter_bias(bias, n, True), mesh_of(n), P("tp")))
+    x = jax.random.normal(jax.random.key(13), (T, F))
+    ct = jax.random.normal(jax.random.key(14), (T, out))
+    y, (g_layer, g_x) = odd_program(n)(layer, x, ct)
+    kernel, b = global_params(es.gather(layer))
+    assert_tree_allclose(b, bias)
+    want, vjp = jax.vjp(lambda k, b, x: x @ k + b[None], kernel, b, x)
+    want_k, want_b, want_x = vjp(ct)
+    assert_tree_allclose(y, want)
+    assert_tree_allclose(g_x, want_x)
+    assert_tree_allclose(global_params(es.gather(g_layer)), (want_k, want_b))
+    # Outside shard_map the layer is the dense layer on the same global kernel.
+    assert_tree_allclose(eqx.filter_jit(lambda m, x: m(x))(es.gather(layer), x), want)
 
 
 def test_tp_async_dense_compiles_to_collective_permutes_only():

@@ -68,7 +68,10 @@ mesh = es.make_mesh("dp=2,tp=4")
 k1, k2 = jax.random.split(jax.random.key(2))
 
 
-def mlp(dense_cls):  # xLSTM's tensor-parallel MLP: "gather" (D -> F/tp) then "scatter" (F/tp -> D)
+def mlp(dense_cls):  # xLSTM's tensor-parallel MLP: "gather" (D -> F/tp) then "scatter" (F/tp -> D/tp)
+    # "scatter": TPDense's one layer gives all D outputs (Flax: partial(nn.Dense, features=D));
+    # TPAsyncDense's one layer per ring step gives D // tp (xLSTM: features=D // tp_size).
+    down_features = D // tp if dense_cls is TPAsyncDense else D
     up = dense_cls(
         dense_fn=functools.partial(Dense, D, F // tp),  # Flax: partial(nn.Dense, features=F // tp)
         model_axis_name="tp",
@@ -78,7 +81,7 @@ def mlp(dense_cls):  # xLSTM's tensor-parallel MLP: "gather" (D -> F/tp) then "s
         key=k1,
     )
     down = dense_cls(
-        dense_fn=functools.partial(Dense, F // tp, D),  # Flax: partial(nn.Dense, features=D)
+        dense_fn=functools.partial(Dense, F // tp, down_features),
         model_axis_name="tp",
         tp_mode="scatter",
         dense_name="down",

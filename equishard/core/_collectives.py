@@ -231,12 +231,15 @@ def ring_all_gather_bidirectional(
     return _in_axis_order(by_offset, axis_name)
 
 
-def _split_last(x: PyTree, fn_name: str) -> tuple[PyTree, PyTree]:
+def _split_last(x: PyTree, fn_name: str, even: bool = True) -> tuple[PyTree, PyTree]:
+    """`(x[..., :d // 2], x[..., d // 2:])` per leaf; `even`: refuse an odd `d`."""
+
     def check(leaf):
-        if leaf.ndim == 0 or leaf.shape[-1] % 2:
+        if leaf.ndim == 0 or (even and leaf.shape[-1] % 2):
+            need = "it must be even" if even else "it needs one"
             raise SpecError(
                 f"{fn_name} splits the last dimension into halves sent in opposite directions; "
-                f"it must be even, got shape {tuple(leaf.shape)}"
+                f"{need}, got shape {tuple(leaf.shape)}"
             )
 
     jax.tree.map(check, x)
@@ -487,15 +490,16 @@ def async_scatter(
 def async_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: AxisName) -> PyTree[Shaped[Array, "..."]]:
     """Reduce-scatter of half partials in opposite directions, in ring-offset order.
 
-    The last dimension of each partial is split in halves; the first halves are summed
-    as `async_scatter(..., shift_up=True)` and the second as
-    `async_scatter(..., shift_up=False)`, and the two sums concatenated. The halves of
-    one partial therefore end on different devices (`j - k - 1` and `j + k + 1`).
+    The last dimension `d` of each partial is split as the reference splits it,
+    `x[..., :d // 2]` and `x[..., d // 2:]` (an odd `d` too: the second part is one
+    longer); the first parts are summed as `async_scatter(..., shift_up=True)` and the
+    second as `async_scatter(..., shift_up=False)`, and the two sums concatenated. The
+    parts of one partial therefore end on different devices (`j - k - 1` and `j + k + 1`).
 
     **Arguments:**
 
-    - `xs`: a sequence of `n` pytrees of identical structure and shapes with an even last
-      dimension.
+    - `xs`: a sequence of `n` pytrees of identical structure and shapes, each of at
+      least one dimension.
     - `axis_name`: a mesh axis name or a tuple of them.
 
     **Returns:**
@@ -504,10 +508,10 @@ def async_scatter_split(xs: Sequence[PyTree[Shaped[Array, "..."]]], axis_name: A
 
     **Raises:**
 
-    `SpecError` if `len(xs)` differs from the size of the axis or a last dimension is odd.
+    `SpecError` if `len(xs)` differs from the size of the axis or a leaf is a scalar.
     """
     _check_partials(xs, axis_name, "async_scatter_split")
-    halves = [_split_last(x, "async_scatter_split") for x in xs]
+    halves = [_split_last(x, "async_scatter_split", even=False) for x in xs]
     lo = _ring_sum([h[0] for h in halves], axis_name, 1)
     hi = _ring_sum([h[1] for h in halves], axis_name, -1)
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), lo, hi)

@@ -6,7 +6,8 @@
   is one reduce-scatter — never an all-reduce.
 - `gather_array_with_mean_grads`: xLSTM-JAX's local-loss convention (each device
   differentiates its own local loss); the reduce-scattered gradient is divided by the
-  axis size, giving the gradient of the mean of the devices' losses.
+  axis size, giving the gradient of the mean of the devices' losses (with the
+  varying-axes check on or off, as the reference).
 
 Both gather in `gather_dtype` and reduce-scatter the gradient in `grad_scatter_dtype`,
 returning it in the parameter's dtype.
@@ -21,7 +22,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
-from .._axes import AxisName, axis_tuple, cast_varying, combined_axis_size, vma_checked
+from .._axes import (
+    AxisName,
+    axis_tuple,
+    cast_varying,
+    combined_axis_size,
+    varying_axes,
+    vma_checked,
+)
 from .._errors import ConventionError
 from ._collectives import _normalise_dim
 
@@ -77,12 +85,14 @@ def gather_array_with_mean_grads(
 ) -> Shaped[Array, "..."]:
     """All-gather a sharded parameter; its gradient is reduce-scattered and averaged.
 
-    For xLSTM-JAX's *local-loss* convention: each device
-    differentiates its own local loss, and the gradient of the shard comes out as the
-    gradient of the *mean* of the devices' losses, i.e. the single-device gradient of
-    the mean loss. It is right only inside `shard_map(..., check_vma=False)` and raises
-    `ConventionError` with the varying-axes check on; under equishard's own convention
-    (differentiating the global, `pmean`-ed loss, check on) use `gather_array`.
+    xLSTM-JAX's function, for its *local-loss* convention: each device differentiates
+    its own local loss, and the gradient of the shard comes out as the gradient of the
+    *mean* of the devices' losses, i.e. the single-device gradient of the mean loss.
+    Under `check_vma=False` and with the varying-axes check on alike it computes the
+    reference's gradient, `psum_scatter(g) / n` — the check does not change it, as in the
+    reference's own test (xlstm-jax `tests/distributed/test_data_parallel.py`). Under
+    equishard's own convention (the function differentiated returns the global,
+    `pmean`-ed loss) that gradient is `n` times too small: use `gather_array` there.
 
     Forward: cast to `gather_dtype`, all-gather along `axis`. Backward: cast the
     cotangent to `grad_scatter_dtype`, reduce-scatter it along `axis`, divide by the
@@ -103,37 +113,42 @@ def gather_array_with_mean_grads(
 
     **Raises:**
 
-    `ConventionError` if called with the varying-axes check on.
+    `ConventionError` if, with the varying-axes check on, `x` is typed invariant along
+    an axis of `axis_name` (the same on every device of it, not a shard): the
+    reference's gradient differs from device to device there, which an invariant
+    array's gradient cannot.
     """
     axes = axis_tuple(axis_name)
-    check_local_loss_convention("gather_array_with_mean_grads", axes)
+    check_mean_grads_input("gather_array_with_mean_grads", x, axes)
     axis = _normalise_dim(x, axis, "gather_array_with_mean_grads")
     x = cast_varying(x, axes)
     scatter = jnp.dtype(grad_scatter_dtype if grad_scatter_dtype is not None else x.dtype)
     return _gather(x, axes, axis, gather_dtype, scatter, jnp.dtype(x.dtype), True)
 
 
-def check_local_loss_convention(fn_name: str, axis_name: AxisName) -> None:
-    """Raise a `ConventionError` if `axis_name` is bound with the varying-axes check on.
+def check_mean_grads_input(fn_name: str, x: Any, axis_name: AxisName) -> None:
+    """Raise a `ConventionError` if, under the varying-axes check, `x` is invariant along `axis_name`.
 
-    The local-loss convention (each device differentiates its own loss, then
-    `sync_gradients`) is only right in `shard_map(..., check_vma=False)`: with the check
-    on, JAX's transposes already sum the gradients of replicated parameters over the
-    axis, and averaging again leaves them `n` times too large (an all-gather's averaged
-    gradient `n` times too small under the global loss).
+    The mean-gradient gather (xLSTM-JAX's local-loss convention) gives each device the
+    reduce-scattered mean of the devices' cotangents, a different block on each device:
+    the gradient of a shard, which varies along the axis. An array typed invariant along
+    it (replicated: `in_specs` not naming the axis) must get one gradient for all
+    devices, so the reference's result cannot be given.
     """
     axes = axis_tuple(axis_name)
-    if vma_checked(axes):
+    if not vma_checked(axes):
+        return
+    invariant = tuple(a for a in axes if a not in varying_axes(x))
+    if invariant:
+        names = invariant[0] if len(invariant) == 1 else invariant
         raise ConventionError(
-            f"{fn_name} follows the local-loss gradient convention (each device "
-            f"differentiates its own loss, gradients averaged by sync_gradients), which "
-            f"needs shard_map(..., check_vma=False); it was called over {axis_name!r} with "
-            f"the varying-axes check on, equishard's global-loss convention (the function "
-            f"differentiated returns the pmean-ed loss; gradients need no sync), where its "
-            f"gradients would be off by the axis size. Either pass check_vma=False to "
-            f"shard_map / filter_shard_map, or use equishard's own functions: gather_array, "
-            f"equishard.nn.fsdp_gather_params, equishard.nn.FSDP. See the guide "
-            f"'Coming from xLSTM-JAX or PyTorch'."
+            f"{fn_name}: the array of shape {tuple(jnp.shape(x))} is invariant along "
+            f"{names!r} under the varying-axes check (the same on every device: "
+            f"replicated, not a shard). Its averaged gradient (xLSTM-JAX's local-loss "
+            f"convention) is a different block on each device, which a replicated array's "
+            f"gradient cannot be. Pass the shard itself (in_specs naming {names!r}, or "
+            f"shard_params inside shard_map), or run shard_map with check_vma=False as the "
+            f"reference does. See the guide 'Coming from xLSTM-JAX or PyTorch'."
         )
 
 

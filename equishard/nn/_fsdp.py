@@ -39,7 +39,6 @@ from .._axes import AxisName, entry_axes, is_bound
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
 from ..core._collectives import mesh_ordered, varying_axes
-from ..core._gather import check_local_loss_convention
 from ..sharding._box import Sharded, drop_leading_axis, is_sharded
 from ..sharding._fsdp import (
     DEFAULT_MIN_WEIGHT_SIZE,
@@ -96,8 +95,8 @@ def fsdp_gather_params(
       parameter's dtype.
     - `mean_grads`: `False` (default) for equishard's convention (the function
       differentiated returns the global loss; gradients are summed). `True` for the
-      local-loss convention: `gather_array_with_mean_grads`, gradients averaged (only
-      under `check_vma=False`; it raises `ConventionError` otherwise).
+      local-loss convention: `gather_array_with_mean_grads`, gradients averaged (with
+      the varying-axes check on or off, as the reference).
 
     Outside `shard_map` (the axis not bound) the arrays are already whole and are only
     unwrapped, so an `FSDP` module also runs in the global view.
@@ -145,9 +144,9 @@ def gather_params(
     As `xlstm_jax.distributed.data_parallel.gather_params`: every array whose spec
     names `axis_name` is all-gathered with `gather_array_with_mean_grads`, so its
     gradient is reduce-scattered and divided by the axis size — the local-loss
-    convention (each device differentiates its own loss, then `sync_gradients`), run
-    in `shard_map(..., check_vma=False)`. With the varying-axes check on (equishard's
-    convention) it raises `ConventionError`; use `fsdp_gather_params` there.
+    convention (each device differentiates its own loss, then `sync_gradients`), with
+    the varying-axes check on or off as the reference. Under equishard's global-loss
+    convention use `fsdp_gather_params` (the mean would be `n` times too small).
 
     **Arguments:**
 
@@ -164,11 +163,9 @@ def gather_params(
 
     **Raises:**
 
-    `ConventionError` if called inside `shard_map` with the varying-axes check on.
+    `ConventionError` if, with the varying-axes check on, an array to gather is typed
+    invariant along `axis_name` (see `gather_array_with_mean_grads`).
     """
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if all(is_bound(a) for a in axes):
-        check_local_loss_convention("gather_params", axes)
     return fsdp_gather_params(params, axis_name, gather_dtype, grad_scatter_dtype, mean_grads=True)
 
 
@@ -500,7 +497,7 @@ class FSDP(eqx.Module):
       tensor-parallel all-reduces, expert all-to-alls — whose outputs are kept from the
       forward pass rather than sent twice). On by default.
     - `mean_grads`: the local-loss convention (gradients averaged, see `gather_params`);
-      only under `check_vma=False`, it raises `ConventionError` otherwise.
+      `make_train_step` (global loss) refuses it.
     - `split_rule`: `"fsdp"` (default, `fsdp_split_params`) or `"xlstm"` (xLSTM-JAX's
       rule, `shard_params`, as `shard_module_params` uses).
     - `mesh`: outside `shard_map`, the mesh whose `axis_name` size decides divisibility
@@ -557,8 +554,6 @@ class FSDP(eqx.Module):
         parameters are whole at a time; with `regather` the backward pass gathers
         them again after the layer's output cotangent arrives.
         """
-        if self.mean_grads and is_bound(self.axis_name):
-            check_local_loss_convention("FSDP(mean_grads=True) / shard_module_params", self.axis_name)
         operands = (self.module, args, kwargs)
         return _call_unit_once_per_batch(operands, self._call_unit)
 
@@ -574,8 +569,6 @@ class FSDP(eqx.Module):
         its other collectives' outputs), so a call keeps only its inputs for the
         backward, as the unit's own call does; nothing is gathered again.
         """
-        if self.mean_grads and is_bound(self.axis_name):
-            check_local_loss_convention("FSDP(mean_grads=True) / shard_module_params", self.axis_name)
         module = fsdp_gather_params(
             self.module, self.axis_name, self.gather_dtype, self.grad_scatter_dtype,
             mean_grads=self.mean_grads,
@@ -689,9 +682,11 @@ def shard_module_params(
     gradients are averaged over the axis. The reference's recipe — each device's local
     loss differentiated inside `shard_map(..., check_vma=False)`, then
     `sync_gradients(grads, axis_names)` — gives the single-device gradients of the mean
-    loss. Under the varying-axes check (equishard's convention) the call raises
-    `ConventionError`; use `FSDP` there. (The returned module is an `FSDP` with
-    `mean_grads=True, split_rule="xlstm"`.)
+    loss; with the varying-axes check on, the gradients of the split arrays are the
+    reference's too (see the coming-from guide for `sync_gradients` there). Under
+    equishard's global-loss convention use `FSDP` (`make_train_step` refuses this
+    module). (The returned module is an `FSDP` with `mean_grads=True,
+    split_rule="xlstm"`.)
 
     **Arguments:**
 

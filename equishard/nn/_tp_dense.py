@@ -24,12 +24,16 @@ returns a module with a `kernel` `[in, out]` and a `bias` (`[out]` or `None`), s
 `functools.partial(equishard.nn.Dense, in_features_local, out_features_local)`. The
 layer lives under `dense_name` in the `dense` dictionary.
 
+`TPAsyncDense` in "scatter" mode holds the reference's parameters: one layer per ring
+step, `shard_0` ... `shard_{n-1}`, each built by `dense_fn` with the *local* sizes
+`(in/n, out/n)` (only `shard_0` with a bias), whose outputs `async_scatter` sums.
+
 Departure (mesh-invariant initialisation): where the reference initialises one kernel
-per device (and, in `TPAsyncDense`, one per ring step), here `dense_fn` is called once
-and its kernel replaced by the *global* kernel drawn from the key with
-`scale_init(kernel_init, kernel_init_adjustment)`; the same key gives the same global
-layer on every mesh, and `skip_communication` in "scatter" mode adds one bias (on
-device 0's partial sums) where the reference adds one per device.
+per device (and, in `TPAsyncDense`, one per ring step), here the *global* kernel is drawn
+from the key with `scale_init(kernel_init, kernel_init_adjustment)` and each layer
+`dense_fn` built holds its part of it; the same key gives the same global layer on
+every mesh, and `skip_communication` in "scatter" mode adds one bias (on device 0's
+partial sums) where the reference adds one per device.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -122,21 +127,19 @@ def _unbox(a: Any) -> Array:
     return value_of(a) if isinstance(a, Sharded) else a
 
 
-def _build(
+def _local_layer(
     layer: str,
     dense_fn: Callable[..., Any],
     model_axis_name: str,
     tp_mode: str,
     kernel_init: Callable[..., Array],
-    kernel_init_adjustment: float,
-    key: PRNGKeyArray,
     mesh: Mesh | AbstractMesh | None,
-) -> Any:
-    """The layer `dense_fn` builds, holding the global kernel and bias in `Sharded` boxes."""
+    key: PRNGKeyArray,
+) -> tuple[Any, int, str]:
+    """The shapes of the layer `dense_fn` builds (nothing drawn), the axis size and the mode."""
     check_choice(layer, "tp_mode", tp_mode, TP_MODES)
     if not callable(dense_fn) or not callable(kernel_init):
         raise LayerConfigError(f"{layer}: dense_fn and kernel_init must be callable.")
-    # The local layer's shapes, without drawing any number.
     local = eqx.filter_eval_shape(lambda k: dense_fn(kernel_init=kernel_init, key=k), key)
     if not hasattr(local, "kernel") or not hasattr(local, "bias") or local.kernel.ndim != 2:
         raise LayerConfigError(
@@ -154,19 +157,123 @@ def _build(
                 f"layer under equishard.sharded_init(..., mesh=...), inside shard_map, or pass "
                 f"mesh=...."
             ) from err
-    mode = tp_mode if n > 1 else "none"
+    return local, n, tp_mode if n > 1 else "none"
+
+
+def _holding(dense_fn: Callable[..., Any], local: Any, key: PRNGKeyArray, kernel: Any, bias: Any) -> Any:
+    """The layer `dense_fn` builds, holding `kernel` and `bias` (boxes, or `None`)."""
+    module = dense_fn(kernel_init=lambda *_: jnp.zeros(local.kernel.shape, local.kernel.dtype), key=key)
+    module = eqx.tree_at(lambda m: m.kernel, module, kernel)
+    if local.bias is not None:
+        module = eqx.tree_at(lambda m: m.bias, module, bias, is_leaf=lambda x: x is None)
+    return module
+
+
+def _build(
+    layer: str,
+    dense_fn: Callable[..., Any],
+    model_axis_name: str,
+    tp_mode: str,
+    kernel_init: Callable[..., Array],
+    kernel_init_adjustment: float,
+    key: PRNGKeyArray,
+    mesh: Mesh | AbstractMesh | None,
+) -> Any:
+    """The layer `dense_fn` builds, holding the global kernel and bias in `Sharded` boxes."""
+    local, n, mode = _local_layer(layer, dense_fn, model_axis_name, tp_mode, kernel_init, mesh, key)
     fan_in, fan_out = local.kernel.shape
     # gather: local [in, out/n] of a global [in, out]; scatter: local [in/n, out] of [in, out].
     shape = {"gather": (fan_in, fan_out * n), "scatter": (fan_in * n, fan_out), "none": (fan_in, fan_out)}[mode]
     init = kernel_init if mode == "none" else scale_init(kernel_init, kernel_init_adjustment)
     kernel = init(key, shape, local.kernel.dtype)  # the global kernel: mesh-invariant
     spec = {"gather": P(None, model_axis_name), "scatter": P(model_axis_name, None), "none": P()}[mode]
-    module = dense_fn(kernel_init=lambda *_: jnp.zeros(local.kernel.shape, local.kernel.dtype), key=key)
-    module = eqx.tree_at(lambda m: m.kernel, module, Sharded(kernel, spec))
+    bias = None
     if local.bias is not None:
-        bias = jnp.zeros((shape[1],), local.bias.dtype)
-        module = eqx.tree_at(lambda m: m.bias, module, Sharded(bias, P(model_axis_name) if mode != "none" else P()))
-    return module, mode
+        bias = Sharded(jnp.zeros((shape[1],), local.bias.dtype), P(model_axis_name) if mode != "none" else P())
+    return _holding(dense_fn, local, key, Sharded(kernel, spec), bias), mode
+
+
+# ---------------------------------------------------------------------------
+# TPAsyncDense's "scatter" layout: one [in/n, out/n] kernel per ring step
+#
+# Ring step k's output on device j travels to device j - k - 1 (`async_scatter`); with
+# `async_scatter_split` the first `c // 2` of its c = out/n columns go there and the
+# others to device j + k + 1. So on device j, shard k's kernel holds the rows of j's
+# input block and the columns of those destinations' output blocks of the global kernel.
+
+
+def _destinations(n: int, k: int, bidirectional: bool) -> tuple[np.ndarray, np.ndarray]:
+    """For each device j: where shard `k`'s first and last columns go (static)."""
+    j = np.arange(n)
+    return (j - k - 1) % n, ((j + k + 1) % n if bidirectional else (j - k - 1) % n)
+
+
+def _to_shards(kernel: Array, n: int, bidirectional: bool) -> list[Array]:
+    """The global kernel `[in, out]` as the `n` ring steps' kernels, each `[in, out/n]`."""
+    (fan_in, fan_out), j = kernel.shape, np.arange(n)
+    blocks = kernel.reshape(n, fan_in // n, n, fan_out // n)  # [rows' device, r, columns' device, c]
+    half = fan_out // n // 2 if bidirectional else fan_out // n
+    shards = []
+    for k in range(n):
+        lo, hi = _destinations(n, k, bidirectional)
+        # f32[n, r, c]: on device j, rows of j, columns of lo[j] (first part) / hi[j] (rest)
+        shard = jnp.concatenate([blocks[j, :, lo, :half], blocks[j, :, hi, half:]], axis=-1)
+        shards.append(shard.reshape(fan_in, fan_out // n))
+    return shards
+
+
+def _from_shards(shards: list[Array], bidirectional: bool) -> Array:
+    """The global kernel `[in, out]` the ring steps' kernels hold (`_to_shards` inverted)."""
+    n, j = len(shards), np.arange(len(shards))
+    fan_in, c = shards[0].shape
+    half = c // 2 if bidirectional else c
+    blocks = jnp.zeros((n, fan_in // n, n, c), shards[0].dtype)
+    for k, shard in enumerate(shards):
+        lo, hi = _destinations(n, k, bidirectional)
+        shard = shard.reshape(n, fan_in // n, c)
+        blocks = blocks.at[j, :, lo, :half].set(shard[..., :half]).at[j, :, hi, half:].set(shard[..., half:])
+    return blocks.reshape(fan_in, n * c)
+
+
+def _bias_to_shard(bias: Array, n: int, bidirectional: bool) -> Array:
+    """The global bias `[out]` in the order shard 0's biases sum into it (`[out]`, split over the axis)."""
+    b = bias.reshape(n, -1)
+    half = b.shape[1] // 2 if bidirectional else b.shape[1]
+    lo, hi = _destinations(n, 0, bidirectional)
+    return jnp.concatenate([b[lo, :half], b[hi, half:]], axis=-1).reshape(-1)
+
+
+def _bias_from_shard(stored: Array, n: int, bidirectional: bool) -> Array:
+    """The global bias `[out]` from shard 0's stored one (`_bias_to_shard` inverted)."""
+    s = stored.reshape(n, -1)
+    half = s.shape[1] // 2 if bidirectional else s.shape[1]
+    lo, hi = _destinations(n, 0, bidirectional)
+    return jnp.zeros_like(s).at[lo, :half].set(s[:, :half]).at[hi, half:].set(s[:, half:]).reshape(-1)
+
+
+def _build_scatter_shards(
+    dense_fn: Callable[..., Any],
+    model_axis_name: str,
+    kernel_init: Callable[..., Array],
+    kernel_init_adjustment: float,
+    bidirectional: bool,
+    key: PRNGKeyArray,
+    mesh: Mesh | AbstractMesh | None,
+) -> tuple[dict[str, Any], str]:
+    """`TPAsyncDense`'s "scatter" layers `{"shard_k": layer}` (or `({}, mode)` if not scatter)."""
+    local, n, mode = _local_layer("TPAsyncDense", dense_fn, model_axis_name, "scatter", kernel_init, mesh, key)
+    if mode == "none":
+        return {}, mode
+    fan_in, c = local.kernel.shape  # the local sizes: in/n, out/n
+    # The global kernel f32[in, out]: mesh-invariant.
+    kernel = scale_init(kernel_init, kernel_init_adjustment)(key, (fan_in * n, c * n), local.kernel.dtype)
+    shards = {}
+    for k, part in enumerate(_to_shards(kernel, n, bidirectional)):
+        bias = None
+        if k == 0 and local.bias is not None:  # as the reference: one bias, shard_0's
+            bias = Sharded(jnp.zeros((c * n,), local.bias.dtype), P(model_axis_name))
+        shards[f"shard_{k}"] = _holding(dense_fn, local, key, Sharded(part, P(model_axis_name, None)), bias)
+    return shards, mode
 
 
 def _check_call(layer: str, x: Array, module: Any, axis: str, mode: str) -> int:
@@ -176,9 +283,19 @@ def _check_call(layer: str, x: Array, module: Any, axis: str, mode: str) -> int:
     kernel = module.kernel.value  # the local block [in_local, out_local]
     expected = kernel.shape[0] // n if mode == "gather" else kernel.shape[0]
     if x.ndim < 1 or x.shape[-1] != expected:
+        hint = ""
+        if mode == "gather" and x.ndim and x.shape[-1] == kernel.shape[0]:
+            # The reference's Flax dense infers its input size; here dense_fn states it.
+            hint = (
+                f" dense_fn was built with {kernel.shape[0]} input features, one device's "
+                f"block; in 'gather' mode it takes the gathered input's size: pass "
+                f"dense_fn=functools.partial(equishard.nn.Dense, {x.shape[-1] * n}, "
+                f"{kernel.shape[1]}) ({n} x {x.shape[-1]} input features, {kernel.shape[1]} "
+                f"output features per device)."
+            )
         raise LayerConfigError(
             f"{layer}: tp_mode={mode!r} takes an input split over features, "
-            f"[..., {expected}] on each of the {n} devices of {axis!r}; got shape {x.shape}."
+            f"[..., {expected}] on each of the {n} devices of {axis!r}; got shape {x.shape}.{hint}"
         )
     return n
 
@@ -296,13 +413,19 @@ class TPAsyncDense(eqx.Module):
     "gather": the feature-split input goes round the ring (`async_gather_bidirectional`,
     or `async_gather`), and each block is multiplied, as it arrives, with the rows of
     this device's kernel columns that belong to the block's device: ring offset `k`
-    pairs with device `i - k`'s rows. "scatter": one output block per destination
-    device, `x @ kernel[:, columns of device (i - k - 1)]` for ring offset `k`, summed
-    round the ring by `async_scatter` (or `async_scatter_split`, halves in both
-    directions). Same parameters, same results as `TPDense` with the same key; no
-    constraint on the number of tokens.
+    pairs with device `i - k`'s rows. "scatter": as the reference, one layer per ring
+    step (`shard_0` ... `shard_{n-1}`, `dense_fn` with the local sizes `(in/n, out/n)`,
+    the bias in `shard_0` only); `shard_k`'s output `[..., out/n]` is summed round the
+    ring by `async_scatter` (or `async_scatter_split`, the first `out/n // 2` features
+    up the ring and the rest down). Same results as `TPDense` with the same key, but in
+    "scatter" mode not the same parameters; no constraint on the number of tokens.
 
-    Fields: as `TPDense`.
+    Fields: `dense`: "gather" and "none": `{dense_name: layer}` as `TPDense`; "scatter":
+    `{"shard_0": layer, ..., "shard_{n-1}": layer}`, each `kernel` a `Sharded`
+    `[in, out/n]` with spec `P(axis, None)` (device `j`'s block: the rows of its input
+    features, the columns of the output features its ring step `k` sends on) and
+    `shard_0`'s `bias` a `Sharded` `[out]` with spec `P(axis)` (device `j` holds the bias
+    of the output features its ring step 0 sends on).
     """
 
     dense: dict[str, Any]
@@ -328,17 +451,31 @@ class TPAsyncDense(eqx.Module):
     ):
         """**Arguments:**
 
-        - `dense_fn`, `model_axis_name`, `tp_mode`, `kernel_init`,
-          `kernel_init_adjustment`, `dense_name`, `key`, `mesh`: as `TPDense`.
+        - `dense_fn`: the constructor of one device's dense layer, configured with the
+          local sizes, accepting `kernel_init` and `key`: "gather":
+          `functools.partial(equishard.nn.Dense, in, out // n)` (the gathered input's
+          size, which Flax infers); "scatter": the reference's
+          `functools.partial(equishard.nn.Dense, in // n, out // n)`, one per ring step.
+        - `model_axis_name`, `tp_mode`, `kernel_init`, `kernel_init_adjustment`,
+          `dense_name`, `key`, `mesh`: as `TPDense` (`dense_name` names the layer in
+          "gather" and "none" mode; "scatter" names them `shard_k`, as the reference).
         - `use_bidirectional_gather`: "gather" sends blocks up and down the ring
           (`async_gather_bidirectional`) instead of one way.
-        - `use_bidirectional_scatter`: "scatter" sums half blocks in both directions
-          (`async_scatter_split`; the local output features must be even).
+        - `use_bidirectional_scatter`: "scatter" sums the first `out/n // 2` output
+          features of each ring step up the ring and the rest down (`async_scatter_split`;
+          any number of features, as the reference).
         """
-        module, mode = _build(
-            "TPAsyncDense", dense_fn, model_axis_name, tp_mode, kernel_init, kernel_init_adjustment, key, mesh
-        )
-        self.dense = {dense_name: module}
+        dense, mode = ({}, "none")
+        if tp_mode == "scatter":
+            dense, mode = _build_scatter_shards(
+                dense_fn, model_axis_name, kernel_init, kernel_init_adjustment, use_bidirectional_scatter, key, mesh
+            )
+        if not dense:
+            module, mode = _build(
+                "TPAsyncDense", dense_fn, model_axis_name, tp_mode, kernel_init, kernel_init_adjustment, key, mesh
+            )
+            dense = {dense_name: module}
+        self.dense = dense
         self.model_axis_name = model_axis_name
         self.tp_mode = mode
         self.dense_name = dense_name
@@ -356,45 +493,44 @@ class TPAsyncDense(eqx.Module):
         "gather" and "scatter": `[..., out/n]`; "none": `[..., out]`.
         """
         del key
-        module = self.dense[self.dense_name]
         axis, mode = self.model_axis_name, self.tp_mode
+        if mode == "scatter":
+            return self._scatter(x) if is_bound(axis) else self._global_scatter(x)
+        module = self.dense[self.dense_name]
         if mode == "none" or not is_bound(axis):
             return module(x)
         n = _check_call("TPAsyncDense", x, module, axis, mode)
         kernel = value_of(module.kernel)
         bias = None if module.bias is None else value_of(module.bias)  # f32[out/n]
         i = jax.lax.axis_index(axis)
-        if mode == "gather":
-            gather = async_gather_bidirectional if self.use_bidirectional_gather else async_gather
-            xs = gather(x, axis)  # xs[k]: f32[..., in/n] of device i - k
-            rows = kernel.shape[0] // n
-            # sum_k f32[..., in/n] @ f32[in/n, out/n] (rows of device i - k)
-            ys = [xk @ _kernel_block(kernel, 0, ring_index(i, -k, n), rows) for k, xk in enumerate(xs)]
-            y = functools.reduce(jnp.add, ys)
-        else:
-            cols = kernel.shape[1] // n
-            check_divisible("TPAsyncDense", "out_features", kernel.shape[1], axis, n)
-            if self.use_bidirectional_scatter:
-                if cols % 2:
-                    raise LayerConfigError(
-                        f"TPAsyncDense: use_bidirectional_scatter splits each device's "
-                        f"{cols} output features in halves; they must be even."
-                    )
-                half = cols // 2
-                # First halves travel up (to device i - k - 1), second halves down (i + k + 1).
-                ys = [
-                    jnp.concatenate(
-                        [
-                            x @ _kernel_block(kernel, 1, ring_index(i, -k - 1, n), cols)[:, :half],
-                            x @ _kernel_block(kernel, 1, ring_index(i, k + 1, n), cols)[:, half:],
-                        ],
-                        axis=-1,
-                    )
-                    for k in range(n)
-                ]
-                y = async_scatter_split(ys, axis)
-            else:
-                # ys[k]: f32[..., in/n] @ f32[in/n, out/n], for device i - k - 1
-                ys = [x @ _kernel_block(kernel, 1, ring_index(i, -k - 1, n), cols) for k in range(n)]
-                y = async_scatter(ys, axis)
+        gather = async_gather_bidirectional if self.use_bidirectional_gather else async_gather
+        xs = gather(x, axis)  # xs[k]: f32[..., in/n] of device i - k
+        rows = kernel.shape[0] // n
+        # sum_k f32[..., in/n] @ f32[in/n, out/n] (rows of device i - k)
+        ys = [xk @ _kernel_block(kernel, 0, ring_index(i, -k, n), rows) for k, xk in enumerate(xs)]
+        y = functools.reduce(jnp.add, ys)
         return y if bias is None else add_bias(y, bias)
+
+    def _scatter(self, x: Array) -> Array:
+        n = len(self.dense)
+        if axis_size(self.model_axis_name) != n:
+            raise LayerConfigError(
+                f"TPAsyncDense: built for {n} devices of {self.model_axis_name!r} (layers "
+                f"shard_0 ... shard_{n - 1}), called where the axis has "
+                f"{axis_size(self.model_axis_name)}."
+            )
+        _check_call("TPAsyncDense", x, self.dense["shard_0"], self.model_axis_name, "scatter")
+        # ys[k]: f32[..., in/n] @ f32[in/n, out/n] (+ bias for k = 0), for device i - k - 1
+        ys = [self.dense[f"shard_{k}"](x) for k in range(n)]
+        scatter = async_scatter_split if self.use_bidirectional_scatter else async_scatter
+        return scatter(ys, self.model_axis_name)  # f32[..., out/n]
+
+    def _global_scatter(self, x: Array) -> Array:
+        """Outside `shard_map`: the dense layer on the global kernel the shards hold."""
+        shards = [self.dense[f"shard_{k}"] for k in range(len(self.dense))]
+        bidirectional = self.use_bidirectional_scatter
+        kernel = _from_shards([value_of(s.kernel) for s in shards], bidirectional)
+        y = x @ kernel  # f32[..., in] @ f32[in, out] -> f32[..., out]
+        if shards[0].bias is None:
+            return y
+        return add_bias(y, _bias_from_shard(value_of(shards[0].bias), len(shards), bidirectional))

@@ -331,6 +331,22 @@ def _check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
         )
 
 
+def _check_no_mean_grads(model: PyTree) -> None:
+    """Raise if `model` holds an FSDP unit of the local-loss convention (`mean_grads=True`).
+
+    Its gradients are averaged over the FSDP axis: `n` times too small for the global
+    loss this step differentiates.
+    """
+    mean = lambda m: getattr(m, "mean_grads", False) is True
+    if any(mean(m) for m in jax.tree.leaves(model, is_leaf=mean)):
+        raise ConventionError(
+            "make_train_step: the model holds an FSDP unit with mean_grads=True (from "
+            "shard_module_params, xLSTM-JAX's local-loss convention), whose gradients are "
+            "averaged over the FSDP axis: n times too small for the global loss this step "
+            "differentiates. Wrap the module with equishard.nn.FSDP (mean_grads=False)."
+        )
+
+
 def _zero_gradient(grad: Any, pending: Any, zero: PyTree, zaxes: tuple[str, ...]) -> Any:
     """One local gradient, reduced over its pending data axes `axes`, as the box `zero` says.
 
@@ -628,6 +644,7 @@ def make_train_step(
         return loss, metrics, grad_norm, grads
 
     def checked_gradients(model: PyTree, batch: PyTree, key: PRNGKeyArray) -> Any:
+        _check_no_mean_grads(model)
         out = local_gradients(model, batch, key)
         _check_global_loss(out[0], data_axes)
         return out
