@@ -724,7 +724,7 @@ def _split_fraction(module: PyTree, axis_name: str) -> tuple[int, int]:
         value = leaf.value if is_sharded(leaf) else leaf
         if not is_array_like(value):
             continue
-        shape = leaf.shape if is_sharded(leaf) else tuple(value.shape)
+        shape = leaf.global_shape if is_sharded(leaf) else tuple(value.shape)
         size = math.prod(shape) * value.dtype.itemsize
         total += size
         if is_sharded(leaf) and axis_name in spec_axes(leaf.spec):
