@@ -4,7 +4,9 @@
 - `bound_axis_size`, `is_bound`, `axis_size`: whether an axis is bound here (inside a
   `shard_map` over it) and its size.
 - `varying_axes`, `mesh_ordered`, `cast_varying`: the varying-manual-axes types of
-  `shard_map` (read, and cast to varying in the mesh's axis order).
+  `shard_map` (read, and cast to varying in the mesh's axis order);
+  `check_local_loss_convention`: the refusal of the local-loss convention's functions
+  under the varying-axes check.
 - `spec_divisors`, `local_shape`, `global_shape`, `bound_sizes`: the shapes of a
   `PartitionSpec`'s blocks.
 
@@ -21,7 +23,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._errors import SpecError
+from ._errors import ConventionError, SpecError
 
 AxisName: TypeAlias = str | tuple[str, ...]
 """One mesh axis name, or a tuple of them naming one combined axis.
@@ -159,6 +161,30 @@ def vma_checked(axis_name: AxisName) -> bool:
     # One probe per axis (each checked, as the tuple's would be): `axis_index` of one
     # axis is one dead equation in the trace, of a tuple the linear index, five.
     return any([a in varying_axes(jax.lax.axis_index(a)) for a in axis_tuple(axis_name)])
+
+
+def check_local_loss_convention(fn_name: str, axis_name: AxisName) -> None:
+    """Raise a `ConventionError` if `axis_name` is bound with the varying-axes check on.
+
+    The local-loss convention (each device differentiates its own loss, then
+    `sync_gradients`) is only right in `shard_map(..., check_vma=False)`: with the check
+    on, JAX's transposes already sum the gradients of replicated parameters over the
+    axis, and averaging again leaves them `n` times too large (an all-gather's averaged
+    gradient `n` times too small under the global loss).
+    """
+    axes = axis_tuple(axis_name)
+    if vma_checked(axes):
+        raise ConventionError(
+            f"{fn_name} follows the local-loss gradient convention (each device "
+            f"differentiates its own loss, gradients averaged by sync_gradients), which "
+            f"needs shard_map(..., check_vma=False); it was called over {axis_name!r} with "
+            f"the varying-axes check on, equishard's global-loss convention (the function "
+            f"differentiated returns the pmean-ed loss; gradients need no sync), where its "
+            f"gradients would be off by the axis size. Either pass check_vma=False to "
+            f"shard_map / filter_shard_map, or use equishard's own functions: gather_array, "
+            f"equishard.nn.fsdp_gather_params, equishard.nn.FSDP. See the guide "
+            f"'Coming from xLSTM-JAX or PyTorch'."
+        )
 
 
 # ---------------------------------------------------------------------------

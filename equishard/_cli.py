@@ -7,34 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` with each option's default appended once: not where the help already
-    says it, nor for switches (`--no-plot`) and options whose default is "none"."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or not action.option_strings:
-            return text
-        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action) or text
-
-
-def _use_cpu_devices(n: int) -> None:
-    """Simulate `n` CPU devices (only affects the CPU backend; call before JAX starts).
-
-    If JAX has already started (e.g. `main` called from a program that uses JAX), the
-    devices it has are kept.
-    """
-    import jax
-
-    if getattr(jax.config, "jax_num_cpu_devices") == n:
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass
+from ._cli_base import HelpFormatter, use_cpu_devices
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -47,7 +20,7 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    _use_cpu_devices(args.devices)
+    use_cpu_devices(args.devices)
 
     import equinox as eqx
     import jax
@@ -97,7 +70,7 @@ def _train(args: argparse.Namespace) -> int:
     if is_launched():  # one of several processes (`equishard launch`): join them first
         initialize()
     else:
-        _use_cpu_devices(args.devices)
+        use_cpu_devices(args.devices)
     from ._app import TrainConfig, run
 
     fields = {f for f in TrainConfig.__dataclass_fields__}
@@ -162,7 +135,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
 
 def _apply_config(train: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace) -> argparse.Namespace:
     """Parse the command line again with `--config`'s values as the defaults: flags win."""
-    from ._app._config import load_config
+    from ._app._internal import load_config
 
     train.set_defaults(**load_config(args.config))
     tokens = list(sys.argv[1:] if argv is None else argv)
@@ -171,7 +144,7 @@ def _apply_config(train: argparse.ArgumentParser, argv: Sequence[str] | None, ar
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `equishard` console script and `python -m equishard`."""
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(prog="equishard", description="equishard: sharded training for Equinox models.")
     parser.add_argument("--version", action="version", version=f"equishard {__version__}")

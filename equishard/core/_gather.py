@@ -21,8 +21,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
-from .._axes import AxisName, axis_tuple, cast_varying, combined_axis_size, vma_checked
-from .._errors import ConventionError
+from .._axes import (
+    AxisName,
+    axis_tuple,
+    cast_varying,
+    check_local_loss_convention,
+    combined_axis_size,
+)
 from ._collectives import _normalise_dim
 
 
@@ -111,30 +116,6 @@ def gather_array_with_mean_grads(
     x = cast_varying(x, axes)
     scatter = jnp.dtype(grad_scatter_dtype if grad_scatter_dtype is not None else x.dtype)
     return _gather(x, axes, axis, gather_dtype, scatter, jnp.dtype(x.dtype), True)
-
-
-def check_local_loss_convention(fn_name: str, axis_name: AxisName) -> None:
-    """Raise a `ConventionError` if `axis_name` is bound with the varying-axes check on.
-
-    The local-loss convention (each device differentiates its own loss, then
-    `sync_gradients`) is only right in `shard_map(..., check_vma=False)`: with the check
-    on, JAX's transposes already sum the gradients of replicated parameters over the
-    axis, and averaging again leaves them `n` times too large (an all-gather's averaged
-    gradient `n` times too small under the global loss).
-    """
-    axes = axis_tuple(axis_name)
-    if vma_checked(axes):
-        raise ConventionError(
-            f"{fn_name} follows the local-loss gradient convention (each device "
-            f"differentiates its own loss, gradients averaged by sync_gradients), which "
-            f"needs shard_map(..., check_vma=False); it was called over {axis_name!r} with "
-            f"the varying-axes check on, equishard's global-loss convention (the function "
-            f"differentiated returns the pmean-ed loss; gradients need no sync), where its "
-            f"gradients would be off by the axis size. Either pass check_vma=False to "
-            f"shard_map / filter_shard_map, or use equishard's own functions: gather_array, "
-            f"equishard.nn.fsdp_gather_params, equishard.nn.FSDP. See the guide "
-            f"'Coming from xLSTM-JAX or PyTorch'."
-        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))

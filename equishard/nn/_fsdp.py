@@ -35,20 +35,26 @@ from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
-from .._axes import AxisName, entry_axes, is_bound
+from .._axes import (
+    AxisName,
+    check_local_loss_convention,
+    entry_axes,
+    is_bound,
+    mesh_ordered,
+    varying_axes,
+)
 from .._errors import LayerConfigError
 from ..core import gather_array, gather_array_with_mean_grads
-from ..core._collectives import mesh_ordered, varying_axes
-from ..core._gather import check_local_loss_convention
-from ..sharding._box import Sharded, drop_leading_axis, is_sharded
-from ..sharding._fsdp import (
-    DEFAULT_MIN_WEIGHT_SIZE,
+from ..sharding import (
     AutoSharded,
+    Sharded,
+    drop_leading_axis,
     fsdp_split_params,
+    is_array_like,
+    is_sharded,
     shard_params,
 )
-from ..sharding._rules import map_modules
-from ..sharding._specs import is_array_like, spec_axes
+from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, map_modules, spec_axes
 from . import _replay
 from ._remat import save_collectives_except
 
@@ -218,7 +224,7 @@ def _tie_bwd(x_axes: tuple[frozenset[str], ...], zero: Any, gs: list[Any]) -> An
 _tie_rule.defvjp(_tie_fwd, _tie_bwd)
 
 
-def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTree:
+def after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTree:
     """`tree`, made to depend on `anchor_tree` so that its all-gathers wait for it.
 
     Without a data dependency a scheduler may issue every layer's all-gather at the start
@@ -235,13 +241,13 @@ def _after(tree: PyTree, anchor_tree: PyTree, *, unboxed: bool = False) -> PyTre
 
 def _anchor(anchor_tree: PyTree) -> Any:
     """One element of the first array of `anchor_tree`, gradient stopped (`None` if it
-    has none): what `_after` ties to."""
+    has none): what `after` ties to."""
     leaves = [x for x in jax.tree.leaves(anchor_tree) if eqx.is_array(x) and x.size]
     return jax.lax.stop_gradient(leaves[0].ravel()[0]) if leaves else None
 
 
 def _tied_to(tree: PyTree, anchor: Any, *, unboxed: bool = False, widen: bool = True) -> PyTree:
-    """`_after` with the anchor given: `tree` made to wait for the scalar `anchor`.
+    """`after` with the anchor given: `tree` made to wait for the scalar `anchor`.
 
     With `widen=False` only the arrays that already vary over the anchor's axes are tied,
     so that no array changes its type (a jaxpr traced on the untied types still applies).
@@ -471,7 +477,7 @@ def _call_regathering_bwd(
         traced, kept = saved
         grads = _replayed_grads(traced, kept, operands, lambda ops: ops, grad_out, cotangent, config)
     else:
-        (grads,) = _after(saved, grad_out, unboxed=True)(cotangent)
+        (grads,) = after(saved, grad_out, unboxed=True)(cotangent)
     return jax.tree.map(
         lambda g, p: g if p else None, grads, perturbed, is_leaf=lambda g: g is None
     )

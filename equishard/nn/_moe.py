@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import bound_axis_size, varying_axes
 from .._errors import LayerConfigError, SpecError
-from ..core._moe import (
+from ..core import (
     capacity_mask,
     dense_combine,
     dense_dispatch,

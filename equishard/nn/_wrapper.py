@@ -12,12 +12,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._axes import bound_axis_size, is_bound
 from .._errors import LayerConfigError
-from ..sharding._box import (
-    add_leading_axis,
-    drop_leading_axis,
-    is_sharded,
-    plain_arrays,
-)
+from ..sharding import add_leading_axis, drop_leading_axis, is_sharded, plain_arrays
 from ._init import check_positive, value_of
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from ..core._gather import check_local_loss_convention
+from .._axes import check_local_loss_convention
 from ._box import is_sharded
 from ._specs import is_array_like, spec_axes
 
