@@ -4,10 +4,12 @@ from ._cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross
 from ._embedding import ParallelEmbedding as ParallelEmbedding
 from ._fsdp import (
     FSDP as FSDP,
-    fsdp_gather_params as fsdp_gather_params,
     fsdp_wrap as fsdp_wrap,
-    gather_params as gather_params,
     shard_module_params as shard_module_params,
+)
+from ._fsdp_gather import (
+    fsdp_gather_params as fsdp_gather_params,
+    gather_params as gather_params,
 )
 from ._init import (
     INIT_TYPES as INIT_TYPES,

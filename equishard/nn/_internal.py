@@ -7,8 +7,8 @@ So a package's private modules can be split or renamed by changing its `__init__
 this file only; `tests/test_structure.py` holds the rule.
 """
 
-from ._fsdp import (
-    after as after,
+from ._fsdp_regather import after as after
+from ._fsdp_scan import (
     scan_units as scan_units,
     scannable as scannable,
 )
