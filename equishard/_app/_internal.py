@@ -1,10 +1,5 @@
-"""What other equishard packages use of the `equishard train` application without it being public.
-
-equishard's one rule for imports across its packages: a module imports another package
-through that package (`from ..sharding import specs_of`, its public names) or through the
-package's `_internal` module (this one), never from one of its private modules directly.
-So a package's private modules can be split or renamed by changing its `__init__` and
-this file only; `tests/test_structure.py` holds the rule.
+"""The names of the `equishard train` application that other equishard packages import but users do not:
+the one way into its private modules from outside it (see `tests/test_structure.py`).
 """
 
 from ._config import load_config as load_config

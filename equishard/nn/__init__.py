@@ -11,7 +11,7 @@ from ._fsdp_gather import (
     fsdp_gather_params as fsdp_gather_params,
     gather_params as gather_params,
 )
-from ._init import (
+from ._initializers import (
     INIT_TYPES as INIT_TYPES,
     InitType as InitType,
     init_bias as init_bias,

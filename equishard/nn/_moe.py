@@ -32,7 +32,7 @@ from ..core import (
     top_k_router,
 )
 from ..sharding import Sharded
-from ._init import check_choice, check_divisible, check_positive, default_dtype, value_of
+from ._initializers import check_choice, check_divisible, check_positive, default_dtype, value_of
 
 _DISPATCHES = ("auto", "dense", "ragged")
 _RAGGED_IMPLS = ("auto", "native", "emulated")

@@ -25,7 +25,7 @@ from ..core import (
 from ..core._internal import check_stage_output
 from ..sharding import add_leading_axis, drop_leading_axis, plain_arrays
 from ._fsdp import FSDP
-from ._init import check_positive
+from ._initializers import check_positive
 
 
 class PipelineModule(eqx.Module):

@@ -56,7 +56,7 @@ from ..core import (
 from ..core._internal import ring_index
 from ..sharding import Sharded
 from ..sharding._internal import axis_size_and_bound as _axis_size
-from ._init import (
+from ._initializers import (
     axis_size,
     check_choice,
     check_divisible,

@@ -1,12 +1,7 @@
-"""What other equishard packages use of `equishard.train` without it being public.
+"""The names of `equishard.train` that other equishard packages import but users do not:
+the one way into its private modules from outside it (see `tests/test_structure.py`).
 
-equishard's one rule for imports across its packages: a module imports another package
-through that package (`from ..sharding import specs_of`, its public names) or through the
-package's `_internal` module (this one), never from one of its private modules directly.
-So a package's private modules can be split or renamed by changing its `__init__` and
-this file only; `tests/test_structure.py` holds the rule.
-
-Importing this module imports orbax (the `train` extra): only the application does.
+Importing it imports orbax (the `train` extra): only the application does.
 """
 
 from ._checkpoint import probe_writable as probe_writable
