@@ -39,8 +39,6 @@ MAX_LINES = 100
 LONG_FUNCTIONS: dict[str, str] = {
     "train._step.make_train_step": "being restructured into a TrainStep module (issue 35, item 1)",
     "_app._run._train": "app/CLI reliability work is editing _app/_run.py; to split after it merges",
-    "core._executor._run": "one traced loop over the schedule's steps; not yet split into named steps",
-    "core._executor._run.step": "the loop body of core._executor._run; not yet split",
 }
 
 
