@@ -22,6 +22,7 @@ from ._errors import (
     SpecError as SpecError,
     TrainingError as TrainingError,
 )
+from ._version import __version__ as __version__
 from .nn import parallelize as parallelize
 from .sharding import (
     Layout as Layout,
@@ -50,5 +51,3 @@ from .sharding import (
     unbox as unbox,
     zero_split as zero_split,
 )
-
-__version__ = "0.1.0"

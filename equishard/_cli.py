@@ -7,35 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` with each option's default appended once: not where the help already
-    says it, nor for switches (`--no-plot`) and options whose default is "none"."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or not action.option_strings:
-            return text
-        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action) or text
-
-
-def _use_cpu_devices(n: int) -> None:
-    """Simulate `n` CPU devices (only affects the CPU backend; call before JAX starts).
-
-    If JAX has already started (e.g. `main` called from a program that uses JAX), the
-    devices it has are kept.
-    """
-    import jax
-
-    if getattr(jax.config, "jax_num_cpu_devices") != n:
-        try:
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass
-    check_platforms()
-
+from ._cli_base import HelpFormatter, check_platforms, use_cpu_devices
 
 MAX_DEVICES = 65536
 """The most devices a command simulates (`--devices`): a typo must not take the machine's
@@ -54,44 +26,8 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise EquishardError(f"--devices {devices} is more than the {MAX_DEVICES} devices equishard simulates at most.")
 
 
-def check_platforms() -> None:
-    """Refuse a `JAX_PLATFORMS` this machine has no backend for, naming the variable and
-    the backends it has (call it once JAX's options are set: it starts the backends).
-
-    **Raises:**
-
-    `EquishardError` with one line.
-    """
-    import os
-
-    import jax
-
-    from ._errors import EquishardError
-
-    wanted = os.environ.get("JAX_PLATFORMS", "").strip()
-    if not wanted:
-        return
-    missing = []
-    for name in (n.strip() for n in wanted.split(",") if n.strip()):
-        try:
-            jax.devices(name)
-        except (RuntimeError, AssertionError):  # an unknown backend, or none could start
-            missing.append(name)
-    if missing:
-        before = getattr(jax.config, "jax_platforms")
-        jax.config.update("jax_platforms", None)  # what the machine has, to say so
-        try:
-            have = sorted({d.platform for d in jax.devices()})
-        finally:
-            jax.config.update("jax_platforms", before)
-        raise EquishardError(
-            f"JAX_PLATFORMS={wanted}: this machine has no {', '.join(missing)} backend (it "
-            f"has: {', '.join(have)}); unset JAX_PLATFORMS or name one of those."
-        )
-
-
 def _demo(args: argparse.Namespace) -> int:
-    _use_cpu_devices(args.devices)
+    use_cpu_devices(args.devices)
 
     import equinox as eqx
     import jax
@@ -142,7 +78,7 @@ def _train(args: argparse.Namespace) -> int:
         initialize()
         check_platforms()
     else:
-        _use_cpu_devices(args.devices)
+        use_cpu_devices(args.devices)
     from ._app import TrainConfig, run
 
     fields = {f for f in TrainConfig.__dataclass_fields__}
@@ -221,7 +157,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
 
 def _apply_config(train: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace) -> argparse.Namespace:
     """Parse the command line again with `--config`'s values as the defaults: flags win."""
-    from ._app._config import load_config
+    from ._app._internal import load_config
 
     train.set_defaults(**load_config(args.config))
     tokens = list(sys.argv[1:] if argv is None else argv)
@@ -230,7 +166,7 @@ def _apply_config(train: argparse.ArgumentParser, argv: Sequence[str] | None, ar
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `equishard` console script and `python -m equishard`."""
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(prog="equishard", description="equishard: sharded training for Equinox models.")
     parser.add_argument("--version", action="version", version=f"equishard {__version__}")

@@ -17,7 +17,7 @@ import re
 import time
 from typing import Any
 
-from ._cli import HelpFormatter
+from ._cli_base import HelpFormatter
 from ._errors import LayerConfigError, MeshError
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -44,7 +44,7 @@ def parse_bytes(text: str) -> int:
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from .sharding._layout import layout_from_options
+    from .sharding._internal import layout_from_options
 
     return layout_from_options(args)
 
@@ -53,9 +53,9 @@ def _cpu_devices(n: int) -> list:
     """`n` CPU devices: simulated as such before JAX starts, else the first `n` it has."""
     import jax
 
-    from ._cli import _use_cpu_devices
+    from ._cli_base import use_cpu_devices
 
-    _use_cpu_devices(n)
+    use_cpu_devices(n)
     devices = jax.devices("cpu")
     if len(devices) < n:
         raise MeshError(
@@ -113,7 +113,7 @@ def _user_report(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
     import optax
 
     from .report import report as read_report
-    from .report._abstract import abstract_state, lower_from_shapes
+    from .report._internal import abstract_state, lower_from_shapes
     from .sharding import make_mesh, param_table
     from .train import init_train_state, make_train_step
 
@@ -263,7 +263,7 @@ def _plan(args: argparse.Namespace) -> int:
 def add_remat_options(p: argparse.ArgumentParser) -> None:
     """`--remat`, `--remat-offload` and `--batch-chunks` (the reference GPT's `remat`,
     `remat_offload`, `batch_chunks`)."""
-    from .nn._remat import REMAT_POLICIES
+    from .nn import REMAT_POLICIES
 
     p.add_argument(
         "--remat", default="none", choices=REMAT_POLICIES,
@@ -418,7 +418,7 @@ def _add_layout_options(p: argparse.ArgumentParser) -> None:
 
 
 def _device_names() -> list[str]:
-    from .report._flops import DEVICE_PROFILES
+    from .report import DEVICE_PROFILES
 
     return list(DEVICE_PROFILES)
 

@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ._cli import HelpFormatter
+from ._cli_base import HelpFormatter
 
 _POLL_SECONDS = 0.05
 # Gloo's connection notice, written once per process and peer by its C++ runtime.

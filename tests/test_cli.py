@@ -268,20 +268,3 @@ def test_importing_the_library_loads_no_application_dependency():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
-
-
-@pytest.mark.parametrize(
-    "name, home",
-    [("TrainConfig", "equishard._app"), ("run", "equishard._app"), ("get_batch", "equishard._app"),
-     ("Layout", "equishard.sharding"), ("AXES", "equishard.sharding")],
-)  # fmt: skip
-def test_moved_names_still_import_with_a_deprecation_warning(name, home):
-    import importlib
-
-    import equishard.train
-
-    with pytest.warns(DeprecationWarning, match=f"equishard.train.{name} is deprecated"):
-        value = getattr(equishard.train, name)
-    assert value is getattr(importlib.import_module(home), name)
-    with pytest.raises(AttributeError):
-        equishard.train.process_slice

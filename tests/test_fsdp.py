@@ -261,7 +261,7 @@ def test_scan_units_equals_the_plain_scan(layout):
     custom VJP over the scan) give the plain `lax.scan`'s values and gradients, of the
     parameters and of the input; on `tp` the kept all-reduces are replayed."""
     from equishard.models import GPT, GPTConfig
-    from equishard.nn._fsdp import scan_units, scannable
+    from equishard.nn._internal import scan_units, scannable
 
     mesh = es.make_mesh(layout)
     config = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=3, d_ff=64)

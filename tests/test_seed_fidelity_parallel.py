@@ -95,20 +95,7 @@ def test_mp_operators_with_the_check_on_invariant_inputs(n):
     assert_tree_allclose(run(ours, True), run(theirs, False))
 
 
-def test_old_positional_axis_name_raises_naming_the_new_signature():
+def test_a_reduction_jax_lacks_raises():
     mesh = line_mesh(2)
-    calls = {
-        "mp_copy": lambda v: mp_copy(v, "x"),
-        "mp_reduce": lambda v: mp_reduce(v, "x"),
-        "mp_scatter": lambda v: mp_scatter(v, "x"),
-        "mp_gather": lambda v: mp_gather(v, "x"),
-    }
-    for name, call in calls.items():
-        fn = jax.shard_map(call, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-        second = "dim=-1" if name in ("mp_scatter", "mp_gather") else r"op=ReduceOp.SUM"
-        with pytest.raises(es.SpecError, match=rf"{name}\(x, {second}, \*, axis_name\)"):
-            fn(jnp.ones((4, 4)))
-    with pytest.raises(es.SpecError, match=r"needs the model-parallel mesh axis as the keyword argument"):
-        mp_scatter(jnp.ones((4, 4)), 0)  # axis_name is required
     with pytest.raises(es.SpecError, match="not a reduction"):
         jax.shard_map(lambda v: mp_copy(v, "product", axis_name="x"), mesh=mesh, in_specs=P(), out_specs=P())(jnp.ones(2))

@@ -88,12 +88,9 @@ def test_specs_of_nested_modules_and_lists():
     assert specs.blocks[0].act is None and specs.blocks[0].power is None  # non-arrays left out
 
 
-def test_sharded_global_shape_and_its_old_name():
+def test_sharded_global_shape():
     box = es.Sharded(jnp.zeros((16, 2)), P("tp"), (16, 2))
-    assert box.global_shape == box.shape == (16, 2)
-    with pytest.warns(DeprecationWarning, match="global_shape"):
-        old = es.Sharded(jnp.zeros((16, 2)), P("tp"), shape=(16, 2))
-    assert old.global_shape == (16, 2)
+    assert box.global_shape == (16, 2)
     # Boxes round-trip a leading axis with their global shape; plain arrays come back plain.
     # Three layers stacked by vmap: the values gained a leading [3], the boxes did not.
     w = eqx.filter_vmap(lambda _: es.Sharded(jnp.zeros((4, 2)), P(None, "tp")))(jnp.arange(3))

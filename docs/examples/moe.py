@@ -55,7 +55,7 @@ def make_moe(data_axis_name=None, dispatch="dense"):
 
 
 moe = make_moe()
-print(f"experts: w_in {moe.w_in.shape} spec {moe.w_in.spec}, capacity {moe.capacity}, "
+print(f"experts: w_in {moe.w_in.global_shape} spec {moe.w_in.spec}, capacity {moe.capacity}, "
       f"dispatch {moe.dispatch!r}")
 x = jax.random.normal(jax.random.key(1), (B, S, D))
 

@@ -8,6 +8,7 @@ on is `equishard.train` (the step, the state, checkpoints) and `equishard.shardi
 (`Layout`).
 """
 
+from ._config import TrainConfig as TrainConfig
 from ._data import (
     ByteCorpus as ByteCorpus,
     get_batch as get_batch,
@@ -21,7 +22,6 @@ from ._data import (
 )
 from ._run import (
     Run as Run,
-    TrainConfig as TrainConfig,
     make_optimizer as make_optimizer,
     plot_losses as plot_losses,
     run as run,

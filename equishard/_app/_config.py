@@ -20,7 +20,54 @@ import typing
 from typing import Any
 
 from .._errors import LayerConfigError
-from ._run import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `equishard train` takes (its options, one field each).
+
+    See `equishard train --help` for each option's meaning and default.
+    """
+
+    layout: str = "dp=2,fsdp=2,tp=2"
+    model: str = "small"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    grad_accum: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    resume: bool = False
+    resume_step: int | None = None
+    overwrite: bool = False
+    require_verified: bool = False
+    max_skipped_steps: int = 10
+    verify_checkpoints: bool = True
+    seed: int = 0
+    run_dir: str = "runs/train"
+    dtype: str = "float32"
+    sequence_parallel: bool = False
+    zero: bool = False
+    cp_impl: str = "ring"
+    microbatches: int | None = None
+    pipeline_repeats: int = 1
+    remat: str = "none"
+    remat_offload: bool = False
+    batch_chunks: int = 1
+    pipeline_schedule: str | None = None
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 10
+    sample_bytes: int = 200
+    progress: bool = True
+    plot: bool = True
+    tensorboard: bool = True
+
 
 CONFIG_FILE = "config.toml"
 """The resolved configuration's name in the run directory."""

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from .._text import human_bytes
-from ..report._flops import DeviceProfile, mfu
+from ..report import DeviceProfile, mfu
 
 
 @dataclasses.dataclass

@@ -41,17 +41,13 @@ from ..models import (
     count_parameters,
     token_batch,
 )
-from ..models._gpt import canonical_path, to_single_device
+from ..models._internal import canonical_path, to_single_device
 from ..nn import remat_policy
-from ..report._flops import (
-    DeviceProfile,
-    device_profile,
-    gpt_flops_per_token,
-    gpt_matmul_parameters,
-)
+from ..report import DeviceProfile, device_profile, gpt_flops_per_token, gpt_matmul_parameters
 from ..sharding import Layout, filter_shard_map, format_param_table, gather
-from ..sharding._layout import layout_from_options
+from ..sharding._internal import layout_from_options
 from ..train import TrainState, export_model, init_train_state, make_train_step
+from ._config import TrainConfig
 from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
 from ._log import (
     Clock,
@@ -69,53 +65,6 @@ if TYPE_CHECKING:
     from ..train import Checkpointer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything `equishard train` takes (its options, one field each).
-
-    See `equishard train --help` for each option's meaning and default.
-    """
-
-    layout: str = "dp=2,fsdp=2,tp=2"
-    model: str = "small"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
-    weight_decay: float = 0.1
-    clip_norm: float | None = 1.0
-    grad_accum: int = 1
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 3
-    resume: bool = False
-    resume_step: int | None = None
-    overwrite: bool = False
-    require_verified: bool = False
-    max_skipped_steps: int = 10
-    verify_checkpoints: bool = True
-    seed: int = 0
-    run_dir: str = "runs/train"
-    dtype: str = "float32"
-    sequence_parallel: bool = False
-    zero: bool = False
-    cp_impl: str = "ring"
-    microbatches: int | None = None
-    pipeline_repeats: int = 1
-    remat: str = "none"
-    remat_offload: bool = False
-    batch_chunks: int = 1
-    pipeline_schedule: str | None = None
-    eval_every: int = 50
-    eval_batches: int = 8
-    log_every: int = 10
-    sample_bytes: int = 200
-    progress: bool = True
-    plot: bool = True
-    tensorboard: bool = True
 
 
 def make_schedule(config: TrainConfig) -> optax.Schedule:
@@ -492,7 +441,7 @@ def run(
     `EquishardError` subclasses for bad options, layouts, models and checkpoints,
     before anything is compiled or written over.
     """
-    from ..train._checkpoint import probe_writable
+    from ..train._internal import probe_writable
 
     start = clock()
     if not is_coordinator():  # one process prints: the others compute the same values

@@ -1,12 +1,4 @@
-"""Pure functions on local blocks, valid inside `shard_map`: collectives, collective matmuls, attention kernels, MoE routing and pipeline schedules.
-
-The HLO collective reader moved to `equishard.report` (`read_collectives`, ...); its
-old names here still work, with a `DeprecationWarning`, until the next release.
-"""
-
-import importlib as _importlib
-import typing as _typing
-import warnings as _warnings
+"""Pure functions on local blocks, valid inside `shard_map`: collectives, collective matmuls, attention kernels, MoE routing and pipeline schedules."""
 
 from ._attention import (
     BLOCKWISE_THRESHOLD as BLOCKWISE_THRESHOLD,
@@ -95,25 +87,3 @@ from ._schedule import (
     pipeline_schedule as pipeline_schedule,
     schedule_report as schedule_report,
 )
-
-_MOVED_TO_REPORT = (
-    "COLLECTIVE_KINDS",
-    "CollectiveOp",
-    "collective_bytes",
-    "collective_table",
-    "count_collectives",
-    "read_collectives",
-)
-
-
-def __getattr__(name: str) -> _typing.Any:
-    # Resolved on first use only: importing `core` never imports `report`.
-    if name in _MOVED_TO_REPORT:
-        _warnings.warn(
-            f"equishard.core.{name} is deprecated and will be removed in the next release: "
-            f"the HLO reader moved to equishard.report (use equishard.report.{name}).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(_importlib.import_module("equishard.report"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -558,26 +558,11 @@ class ReduceOp(str, enum.Enum):
 _REDUCERS = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
-def _signature_error(fn_name: str, what: str, got: Any) -> SpecError:
-    second = "dim=-1" if fn_name in ("mp_scatter", "mp_gather") else "op=ReduceOp.SUM"
-    return SpecError(
-        f"{fn_name}: got {what}={got!r}. The signature is {fn_name}(x, {second}, *, axis_name) "
-        f"as in ml.models.parallel: the second positional parameter is `{what}` and the "
-        f"mesh axis is keyword-only, e.g. {fn_name}(x, axis_name={got!r})."
-    )
-
-
-# torch's ReduceOp names JAX's collectives have no counterpart for.
-_UNSUPPORTED_OPS = ("product", "band", "bor", "bxor", "premul_sum")
-
-
 def _check_op(fn_name: str, op: Any) -> str:
     value = op.value if isinstance(op, ReduceOp) else op
     value = "mean" if value == "avg" else value
     if isinstance(value, str) and value in _REDUCERS:
         return value
-    if isinstance(op, (str, tuple)) and op not in _UNSUPPORTED_OPS:
-        raise _signature_error(fn_name, "op", op)
     raise SpecError(
         f"{fn_name}: op {op!r} is not a reduction JAX's collectives support; use one of "
         f"ReduceOp.SUM, ReduceOp.MEAN (torch's AVG), ReduceOp.MAX, ReduceOp.MIN."
@@ -585,21 +570,9 @@ def _check_op(fn_name: str, op: Any) -> str:
 
 
 def _check_dim(fn_name: str, dim: Any) -> int:
-    if isinstance(dim, (str, tuple, list)):
-        raise _signature_error(fn_name, "dim", dim)
     if not isinstance(dim, int):
         raise SpecError(f"{fn_name}: dim must be an int, got {dim!r}.")
     return dim
-
-
-def _required_axis(fn_name: str, axis_name: AxisName | None) -> AxisName:
-    if axis_name is None:
-        second = "dim=-1" if fn_name in ("mp_scatter", "mp_gather") else "op=ReduceOp.SUM"
-        raise SpecError(
-            f"{fn_name}(x, {second}, *, axis_name) needs the model-parallel mesh axis as the "
-            f"keyword argument axis_name=..."
-        )
-    return axis_name
 
 
 def _reduce(x: Array, axes: tuple[str, ...], op: str) -> Array:
@@ -681,7 +654,7 @@ _gather_untyped.defvjp(_gather_untyped_fwd, _gather_untyped_bwd)
 
 
 def mp_copy(
-    x: Shaped[Array, "*shape"], op: ReduceOp | AxisName = ReduceOp.SUM, *, axis_name: AxisName | None = None
+    x: Shaped[Array, "*shape"], op: ReduceOp | str = ReduceOp.SUM, *, axis_name: AxisName
 ) -> Shaped[Array, "*shape"]:
     """Enter a model-parallel region: forward identity, backward reduction over the axis.
 
@@ -712,11 +685,9 @@ def mp_copy(
 
     **Raises:**
 
-    `SpecError` if `op` is not a supported reduction (a string that is not one is taken
-    for an axis name passed in the old position, and the message says so).
+    `SpecError` if `op` is not a supported reduction.
     """
     op = _check_op("mp_copy", op)
-    axis_name = _required_axis("mp_copy", axis_name)
     axes = bound_axes(axis_name, "mp_copy")
     typed = vma_checked(axes)
     if typed and op == "sum":
@@ -725,7 +696,7 @@ def mp_copy(
 
 
 def mp_reduce(
-    x: Shaped[Array, "*shape"], op: ReduceOp | AxisName = ReduceOp.SUM, *, axis_name: AxisName | None = None
+    x: Shaped[Array, "*shape"], op: ReduceOp | str = ReduceOp.SUM, *, axis_name: AxisName
 ) -> Shaped[Array, "*shape"]:
     """Leave a model-parallel region: forward reduction over the axis, backward identity.
 
@@ -756,7 +727,6 @@ def mp_reduce(
     `SpecError` if `op` is not a supported reduction.
     """
     op = _check_op("mp_reduce", op)
-    axis_name = _required_axis("mp_reduce", axis_name)
     axes = bound_axes(axis_name, "mp_reduce")
     typed = vma_checked(axes)
     if typed and op == "sum":
@@ -773,7 +743,7 @@ def _check_divisible(x: Array, dim: int, n: int, axis_name: AxisName, fn_name: s
 
 
 def mp_scatter(
-    x: Shaped[Array, "..."], dim: int | AxisName = -1, *, axis_name: AxisName | None = None
+    x: Shaped[Array, "..."], dim: int = -1, *, axis_name: AxisName
 ) -> Shaped[Array, "..."]:
     """Split a replicated array across the model-parallel axis: keep this device's slice.
 
@@ -786,9 +756,7 @@ def mp_scatter(
     **Arguments:**
 
     - `x`: the replicated array, shape `(..., N, ...)`.
-    - `dim`: the dimension to split; `N` must be divisible by the axis size. (Typed to
-      admit a string only so that an axis name passed in the old position gets an
-      equishard error naming the new signature.)
+    - `dim`: the dimension to split; `N` must be divisible by the axis size.
     - `axis_name`: the model-parallel mesh axis, or a tuple of them (keyword-only,
       required).
 
@@ -798,11 +766,9 @@ def mp_scatter(
 
     **Raises:**
 
-    `SpecError` if `dim` is out of range or `N` is not divisible by the axis size, or a
-    string (an axis name in the old second position) is passed as `dim`.
+    `SpecError` if `dim` is out of range or `N` is not divisible by the axis size.
     """
     dim = _normalise_dim(x, _check_dim("mp_scatter", dim), "mp_scatter")
-    axis_name = _required_axis("mp_scatter", axis_name)
     axes = bound_axes(axis_name, "mp_scatter")
     _check_divisible(x, dim, combined_axis_size(axes), axis_name, "mp_scatter")
     if not vma_checked(axes):
@@ -814,7 +780,7 @@ def mp_scatter(
 
 
 def mp_gather(
-    x: Shaped[Array, "..."], dim: int | AxisName = -1, *, axis_name: AxisName | None = None
+    x: Shaped[Array, "..."], dim: int = -1, *, axis_name: AxisName
 ) -> Shaped[Array, "..."]:
     """Gather a split array from the model-parallel axis: backward keeps this device's slice.
 
@@ -827,8 +793,7 @@ def mp_gather(
     **Arguments:**
 
     - `x`: this device's block, shape `(..., N, ...)`.
-    - `dim`: the dimension to gather along (a string raises `SpecError`, as in
-      `mp_scatter`).
+    - `dim`: the dimension to gather along.
     - `axis_name`: the model-parallel mesh axis, or a tuple of them (keyword-only,
       required).
 
@@ -837,7 +802,6 @@ def mp_gather(
     The gathered array, shape `(..., N * n, ...)`.
     """
     dim = _normalise_dim(x, _check_dim("mp_gather", dim), "mp_gather")
-    axis_name = _required_axis("mp_gather", axis_name)
     axes = bound_axes(axis_name, "mp_gather")
     if vma_checked(axes):
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to="invarying")

@@ -28,6 +28,7 @@ the result is an ordinary differentiable loss inside a train step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -249,6 +250,91 @@ class _Stage:
         return jax.tree.unflatten(self.treedef, leaves)(cotangent)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Run:
+    """What every step of `_run`'s loop reads: the stage functions and their parameters,
+    the micro-batches, this device's index, and the varying-axes types of the
+    activations (`h_axes`) and the loss (`loss_axes`)."""
+
+    params: PyTree  # [V, ...]: this device's local stages
+    first_params: PyTree
+    last_params: PyTree
+    inputs_mb: PyTree  # [M, b, ...]
+    targets_mb: PyTree  # [M, b, ...]
+    last: Callable
+    enter: Callable
+    run_stage: Callable
+    enter_parts: Callable
+    stage_vjp: _Stage
+    enter_vjp: _Stage
+    kept_avals: Any
+    enter_kept_avals: Any
+    h_aval: Any
+    h_axes: frozenset[str]
+    loss_axes: frozenset[str]
+    axes: frozenset[str]
+    axis: str
+    me: Array
+    schedule: PipelineSchedule
+    grad_inputs: bool
+    with_grad: bool
+    zero_h: Callable[[], Array]  # one function each, so that `cond` traces its branch once
+    zero_loss: Callable[[], Array]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _At:
+    """One step of the loop on this device: its row of the schedule (`mine`), the work
+    (`op`), the micro-batch and local stage it works on, and where that stage is."""
+
+    mine: dict
+    op: Array
+    mb: Array
+    v: Array
+    is_first: Array
+    is_last: Array
+    p: PyTree  # this local stage's parameters
+    x_mb: PyTree
+    t_mb: PyTree
+
+
+def _activation_axes(stage: Callable, first: Callable | None, chunk0: PyTree, first_params: PyTree, x0: PyTree, axes: frozenset[str]) -> tuple[frozenset[str], Any]:
+    """The axes the activations vary over, and the first stage's output's shape.
+
+    Activations and their cotangents vary over the stage and data axes and over what the
+    stages make them vary over (not over what they are replicated on, e.g. a
+    tensor-parallel axis: their cotangents are then the full ones, not partial sums).
+    """
+    raw = jax.eval_shape(lambda fp, x: x if first is None else first(fp, x), first_params, x0)
+    if not hasattr(raw, "shape"):
+        raise LayerConfigError("execute_schedule: the first stage must produce one array.")
+    h_axes = axes | varying_axes(raw)
+    while True:
+        h0 = cast_varying(jnp.zeros(raw.shape, raw.dtype), h_axes)
+        out = jax.eval_shape(stage, chunk0, h0)
+        check_stage_output(out, h0, "execute_schedule: the stage")
+        if varying_axes(out) <= h_axes:
+            return h_axes, h0
+        h_axes = h_axes | varying_axes(out)
+
+
+def _rows(schedule: PipelineSchedule, plan: _Plan, with_grad: bool) -> dict[str, Array]:
+    """The schedule table and its slot plan as the loop's rows, `[steps, stages]` each
+    (without gradients: the forwards alone, backward steps idle, nothing stashed)."""
+    rows = {
+        "op": schedule.op.astype(np.int32), "mb": schedule.microbatch, "v": schedule.virtual,
+        **{f: getattr(plan, f) for f in (
+            "inbox_read", "inbox_write", "stash_write", "stash_read",
+            "grad_read", "grad_local", "grad_write",
+        )},
+        "send_forward": plan.send_forward, "send_backward": plan.send_backward,
+    }  # fmt: skip
+    if not with_grad:
+        rows["op"] = np.where(rows["op"] == FORWARD, FORWARD, IDLE).astype(np.int32)
+        rows["send_backward"] = np.zeros_like(plan.send_backward)
+    return jax.tree.map(jnp.asarray, rows)
+
+
 def _run(
     stage: Callable,
     first: Callable | None,
@@ -274,20 +360,7 @@ def _run(
     chunk0 = _index(params, jnp.int32(0))
     x0 = _index(inputs_mb, jnp.int32(0))
     t0 = _index(targets_mb, jnp.int32(0))
-    raw = jax.eval_shape(lambda fp, x: x if first is None else first(fp, x), first_params, x0)
-    if not hasattr(raw, "shape"):
-        raise LayerConfigError("execute_schedule: the first stage must produce one array.")
-    # Activations and their cotangents vary over the stage and data axes and over what
-    # the stages make them vary over (not over what they are replicated on, e.g. a
-    # tensor-parallel axis: their cotangents are then the full ones, not partial sums).
-    h_axes = axes | varying_axes(raw)
-    while True:
-        h0 = cast_varying(jnp.zeros(raw.shape, raw.dtype), h_axes)
-        out = jax.eval_shape(stage, chunk0, h0)
-        check_stage_output(out, h0, "execute_schedule: the stage")
-        if varying_axes(out) <= h_axes:
-            break
-        h_axes = h_axes | varying_axes(out)
+    h_axes, h0 = _activation_axes(stage, first, chunk0, first_params, x0, axes)
 
     def enter(fp: PyTree, x: PyTree) -> Array:
         h = x if first is None else first(fp, x)
@@ -305,28 +378,21 @@ def _run(
         return ((first_params, x), ()) if grad_inputs else ((first_params,), (x,))
 
     enter_vjp = _Stage(enter, *enter_parts(x0), axes)
-
-    zero_h = lambda: cast_varying(jnp.zeros(h_aval.shape, h_aval.dtype), h_axes)  # noqa: E731
-    zero_loss = lambda: cast_varying(jnp.zeros((), jnp.float32), loss_axes)  # noqa: E731
     plan = _plan(schedule)
-    rows = {
-        "op": schedule.op.astype(np.int32), "mb": schedule.microbatch, "v": schedule.virtual,
-        **{f: getattr(plan, f) for f in (
-            "inbox_read", "inbox_write", "stash_write", "stash_read",
-            "grad_read", "grad_local", "grad_write",
-        )},
-        "send_forward": plan.send_forward, "send_backward": plan.send_backward,
-    }  # fmt: skip
-    if not with_grad:  # the forwards alone: backward steps idle, nothing stashed
-        rows["op"] = np.where(rows["op"] == FORWARD, FORWARD, IDLE).astype(np.int32)
-        rows["send_backward"] = np.zeros_like(plan.send_backward)
-    xs = jax.tree.map(jnp.asarray, rows)
+    xs = _rows(schedule, plan, with_grad)
 
     def stack(avals: Any, n: int) -> Any:
         return jax.tree.map(lambda a: _typed(jnp.zeros((n, *a.shape), a.dtype), a, axes), avals)
 
     kept_avals = stage_vjp.kept if with_grad else []
     enter_kept_avals = enter_vjp.kept if with_grad else []
+    zero_h = lambda: cast_varying(jnp.zeros(h_aval.shape, h_aval.dtype), h_axes)  # noqa: E731
+    zero_loss = lambda: cast_varying(jnp.zeros((), jnp.float32), loss_axes)  # noqa: E731
+    c = _Run(
+        params, first_params, last_params, inputs_mb, targets_mb, last, enter, run_stage,
+        enter_parts, stage_vjp, enter_vjp, kept_avals, enter_kept_avals, h_aval, h_axes,
+        loss_axes, axes, axis, me, schedule, grad_inputs, with_grad, zero_h, zero_loss,
+    )  # fmt: skip
     carry0 = {
         "inbox": stack(h_aval, plan.inbox_slots),
         "stash": stack(kept_avals, plan.stash_slots),
@@ -336,160 +402,9 @@ def _run(
         "d_first": _zeros(first_params, axes) if with_grad else None,
         "d_last": _zeros(last_params, axes) if with_grad else None,
         "d_inputs": _zeros(inputs_mb, axes) if (with_grad and grad_inputs) else None,
-        "loss": zero_loss(),
+        "loss": c.zero_loss(),
     }
-    f32 = jnp.float32
-
-    def step(carry: dict, row: dict) -> tuple[dict, None]:
-        mine = {k: (v[me] if v.ndim else v) for k, v in row.items()}
-        op = mine["op"]
-        mb = jnp.maximum(mine["mb"], 0)
-        v = jnp.maximum(mine["v"], 0)
-        g = v * s + me
-        is_first = g == 0
-        is_last = g == last_stage
-        p = _index(params, v)  # this local stage's parameters
-        x_mb = _index(inputs_mb, mb)
-        t_mb = _index(targets_mb, mb)
-        enter_diff, enter_rest = enter_parts(x_mb)
-
-        zero_out = {
-            "send": zero_h(),
-            "stash": _zeros(kept_avals, axes),
-            "enter_stash": _zeros(enter_kept_avals, axes),
-            "dy": zero_h(),
-            "loss": zero_loss(),
-            "d_params": _zeros(jax.tree.map(lambda a: a[0], params), axes) if with_grad else None,
-            "d_first": _zeros(first_params, axes) if with_grad else None,
-            "d_last": _zeros(last_params, axes) if with_grad else None,
-            "d_x": _zeros(x_mb, axes) if (with_grad and grad_inputs) else None,
-        }
-
-        def idle() -> dict:
-            return zero_out
-
-        @jax.named_scope("pipeline_forward")
-        def forward() -> dict:
-            out = dict(zero_out)
-
-            @jax.named_scope("pipeline_first")
-            def from_inputs() -> tuple[Array, list]:
-                if with_grad:
-                    h, kept = enter_vjp.forward(enter_diff, enter_rest)
-                    return h, kept
-                return enter(first_params, x_mb), []
-
-            def from_inbox() -> tuple[Array, list]:
-                return _index(carry["inbox"], mine["inbox_read"]), _zeros(enter_kept_avals, axes)
-
-            h, out["enter_stash"] = jax.lax.cond(is_first, from_inputs, from_inbox)
-            if with_grad:
-                y, out["stash"] = stage_vjp.forward((p, h), ())
-            else:
-                y = run_stage(p, h)
-
-            @jax.named_scope("pipeline_last")
-            def finish() -> tuple:
-                if with_grad:
-                    loss, grads = jax.value_and_grad(last, argnums=(0, 1))(last_params, y, t_mb)
-                    return (cast_varying(loss.astype(f32), loss_axes), grads[1], grads[0])
-                loss = last(last_params, y, t_mb)
-                return cast_varying(loss.astype(f32), loss_axes), zero_h(), None
-
-            def pass_on() -> tuple:
-                return zero_loss(), zero_h(), _zeros(last_params, axes) if with_grad else None
-
-            out["loss"], out["dy"], out["d_last"] = jax.lax.cond(is_last, finish, pass_on)
-            out["send"] = y
-            return out
-
-        def backward(weights: bool, inputs_too: bool) -> Callable[[], dict]:
-            def run() -> dict:
-                out = dict(zero_out)
-                kept = _index(carry["stash"], mine["stash_read"])
-                dy = _index(carry["grad"], mine["grad_read"])
-                d_p, d_h = stage_vjp.backward(p, kept, dy)
-                if weights:
-                    out["d_params"] = cast_varying(d_p, axes)
-                if inputs_too:
-                    d_h = cast_varying(d_h, axes)
-
-                    @jax.named_scope("pipeline_first")
-                    def leave() -> tuple:
-                        enter_kept = _index(carry["enter_stash"], mine["stash_read"])
-                        grads = enter_vjp.backward(first_params, enter_kept, d_h)
-                        d_x = cast_varying(grads[1], axes) if grad_inputs else None
-                        return cast_varying(grads[0], axes), d_x
-
-                    def stay() -> tuple:
-                        return zero_out["d_first"], zero_out["d_x"]
-
-                    out["d_first"], out["d_x"] = jax.lax.cond(is_first, leave, stay)
-                    out["send"] = d_h
-                return out
-
-            return run
-
-        if with_grad:
-            # B: the input gradient (and, unless split off, the weight gradient); W: the
-            # weight gradient. The first stage's `first` gradient goes with B.
-            split = schedule.split_backward
-            branches = [
-                idle,
-                forward,
-                jax.named_scope("pipeline_backward")(backward(not split, True)),
-                jax.named_scope("pipeline_weight")(backward(True, False)),
-            ]
-            out = jax.lax.switch(op, branches)
-        else:
-            out = jax.lax.cond(op == FORWARD, forward, idle)
-
-        new = dict(carry)
-        new["loss"] = carry["loss"] + out["loss"]
-        if with_grad:
-            # Written only by a forward; a conditional update (not a select) keeps the
-            # write in place: no second copy of a slot's residuals.
-            new["stash"] = jax.lax.cond(
-                op == FORWARD,
-                lambda: jax.tree.map(
-                    lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, mine["stash_write"], 0),
-                    carry["stash"], out["stash"],
-                ),
-                lambda: carry["stash"],
-            )  # fmt: skip
-            new["enter_stash"] = _put(
-                carry["enter_stash"], mine["stash_write"], out["enter_stash"], (op == FORWARD) & is_first
-            )
-            new["grad"] = _put(carry["grad"], mine["grad_local"], out["dy"], (op == FORWARD) & is_last)
-            new["d_params"] = jax.tree.map(
-                lambda acc, d: jax.lax.dynamic_update_index_in_dim(
-                    acc, jax.lax.dynamic_index_in_dim(acc, v, keepdims=False) + d, v, 0
-                ),
-                carry["d_params"], out["d_params"],
-            )  # fmt: skip
-            new["d_first"] = jax.tree.map(jnp.add, carry["d_first"], out["d_first"])
-            new["d_last"] = jax.tree.map(jnp.add, carry["d_last"], out["d_last"])
-            if grad_inputs:
-                new["d_inputs"] = _put(carry["d_inputs"], mb, out["d_x"], (op == BACKWARD) & is_first)
-        # Transfers: activations forward, cotangents backward, only on steps that send.
-        send_f = jnp.where((op == FORWARD) & ~is_last, 1.0, 0.0).astype(h_aval.dtype) * out["send"]
-        received = jax.lax.cond(
-            mine["send_forward"],
-            jax.named_scope("pipeline_send_forward")(lambda: _shift(send_f, axis, s, 1, r > 1)),
-            zero_h,
-        )
-        new["inbox"] = _put(new["inbox"], mine["inbox_write"], received, mine["inbox_write"] >= 0)
-        if with_grad:
-            send_b = jnp.where((op == BACKWARD) & ~is_first, 1.0, 0.0).astype(h_aval.dtype) * out["send"]
-            got = jax.lax.cond(
-                mine["send_backward"],
-                jax.named_scope("pipeline_send_backward")(lambda: _shift(send_b, axis, s, -1, r > 1)),
-                zero_h,
-            )
-            new["grad"] = _put(new["grad"], mine["grad_write"], got, mine["grad_write"] >= 0)
-        return new, None
-
-    carry, _ = jax.lax.scan(step, carry0, xs)
+    carry, _ = jax.lax.scan(functools.partial(_step, c), carry0, xs)
     # The loss lives on the last stage: every stage gets it (one scalar all-reduce).
     loss = jax.lax.psum(jnp.where(me == (last_stage % s), carry["loss"], 0.0), axis) / m
     if not with_grad:
@@ -500,6 +415,186 @@ def _run(
         d_inputs = jax.tree.map(lambda a, x: (a * scale).reshape(x.shape), carry["d_inputs"], inputs)
     grads = jax.tree.map(lambda a: a * scale, (carry["d_params"], carry["d_first"], carry["d_last"]))
     return loss, (*grads, d_inputs)
+
+
+def _step(c: _Run, carry: dict, row: dict) -> tuple[dict, None]:
+    """One trip of the loop: this device's work of the step, the carry updated with it,
+    and the step's transfers."""
+    s = c.schedule.num_stages
+    last_stage = s * c.schedule.repeats - 1
+    mine = {k: (v[c.me] if v.ndim else v) for k, v in row.items()}
+    mb = jnp.maximum(mine["mb"], 0)
+    v = jnp.maximum(mine["v"], 0)
+    g = v * s + c.me
+    is_first = g == 0
+    is_last = g == last_stage
+    p = _index(c.params, v)
+    at = _At(mine, mine["op"], mb, v, is_first, is_last, p, _index(c.inputs_mb, mb), _index(c.targets_mb, mb))
+    out = _work(c, carry, at)
+    new = _accumulated(c, carry, at, out)
+    return _transfers(c, new, at, out), None
+
+
+def _work(c: _Run, carry: dict, at: _At) -> dict:
+    """This device's work of the step (`op`): nothing, a forward, a backward (`B`: the
+    input gradient and, unless split off, the weight gradient) or a weight gradient
+    (`W`). The first stage's `first` gradient goes with `B`."""
+    with_grad, axes = c.with_grad, c.axes
+    zero_out = {
+        "send": c.zero_h(),
+        "stash": _zeros(c.kept_avals, axes),
+        "enter_stash": _zeros(c.enter_kept_avals, axes),
+        "dy": c.zero_h(),
+        "loss": c.zero_loss(),
+        "d_params": _zeros(jax.tree.map(lambda a: a[0], c.params), axes) if with_grad else None,
+        "d_first": _zeros(c.first_params, axes) if with_grad else None,
+        "d_last": _zeros(c.last_params, axes) if with_grad else None,
+        "d_x": _zeros(at.x_mb, axes) if (with_grad and c.grad_inputs) else None,
+    }
+
+    def idle() -> dict:
+        return zero_out
+
+    @jax.named_scope("pipeline_forward")
+    def forward() -> dict:
+        return _forward(c, carry, at, zero_out)
+
+    if not with_grad:
+        return jax.lax.cond(at.op == FORWARD, forward, idle)
+    split = c.schedule.split_backward
+    branches = [
+        idle,
+        forward,
+        jax.named_scope("pipeline_backward")(functools.partial(_backward, c, carry, at, zero_out, not split, True)),
+        jax.named_scope("pipeline_weight")(functools.partial(_backward, c, carry, at, zero_out, True, False)),
+    ]
+    return jax.lax.switch(at.op, branches)
+
+
+def _forward(c: _Run, carry: dict, at: _At, zero_out: dict) -> dict:
+    """A forward: the stage's input (`first` of the micro-batch on the first stage, else
+    the inbox), the stage (under `vjp`, residuals to the stash, when gradients follow),
+    and on the last stage the loss and its cotangent."""
+    out = dict(zero_out)
+    enter_diff, enter_rest = c.enter_parts(at.x_mb)
+    f32 = jnp.float32
+
+    @jax.named_scope("pipeline_first")
+    def from_inputs() -> tuple[Array, list]:
+        if c.with_grad:
+            h, kept = c.enter_vjp.forward(enter_diff, enter_rest)
+            return h, kept
+        return c.enter(c.first_params, at.x_mb), []
+
+    def from_inbox() -> tuple[Array, list]:
+        return _index(carry["inbox"], at.mine["inbox_read"]), _zeros(c.enter_kept_avals, c.axes)
+
+    h, out["enter_stash"] = jax.lax.cond(at.is_first, from_inputs, from_inbox)
+    if c.with_grad:
+        y, out["stash"] = c.stage_vjp.forward((at.p, h), ())
+    else:
+        y = c.run_stage(at.p, h)
+
+    @jax.named_scope("pipeline_last")
+    def finish() -> tuple:
+        if c.with_grad:
+            loss, grads = jax.value_and_grad(c.last, argnums=(0, 1))(c.last_params, y, at.t_mb)
+            return (cast_varying(loss.astype(f32), c.loss_axes), grads[1], grads[0])
+        loss = c.last(c.last_params, y, at.t_mb)
+        return cast_varying(loss.astype(f32), c.loss_axes), c.zero_h(), None
+
+    def pass_on() -> tuple:
+        return c.zero_loss(), c.zero_h(), _zeros(c.last_params, c.axes) if c.with_grad else None
+
+    out["loss"], out["dy"], out["d_last"] = jax.lax.cond(at.is_last, finish, pass_on)
+    out["send"] = y
+    return out
+
+
+def _backward(c: _Run, carry: dict, at: _At, zero_out: dict, weights: bool, inputs_too: bool) -> dict:
+    """A backward from the stashed residuals and the received cotangent: the weight
+    gradient if `weights`, the input cotangent (sent on; on the first stage, through
+    `first`) if `inputs_too`."""
+    axes = c.axes
+    out = dict(zero_out)
+    kept = _index(carry["stash"], at.mine["stash_read"])
+    dy = _index(carry["grad"], at.mine["grad_read"])
+    d_p, d_h = c.stage_vjp.backward(at.p, kept, dy)
+    if weights:
+        out["d_params"] = cast_varying(d_p, axes)
+    if inputs_too:
+        d_h = cast_varying(d_h, axes)
+
+        @jax.named_scope("pipeline_first")
+        def leave() -> tuple:
+            enter_kept = _index(carry["enter_stash"], at.mine["stash_read"])
+            grads = c.enter_vjp.backward(c.first_params, enter_kept, d_h)
+            d_x = cast_varying(grads[1], axes) if c.grad_inputs else None
+            return cast_varying(grads[0], axes), d_x
+
+        def stay() -> tuple:
+            return zero_out["d_first"], zero_out["d_x"]
+
+        out["d_first"], out["d_x"] = jax.lax.cond(at.is_first, leave, stay)
+        out["send"] = d_h
+    return out
+
+
+def _accumulated(c: _Run, carry: dict, at: _At, out: dict) -> dict:
+    """The carry with the step's loss, residuals, cotangent and gradients added in."""
+    op, mine = at.op, at.mine
+    new = dict(carry)
+    new["loss"] = carry["loss"] + out["loss"]
+    if not c.with_grad:
+        return new
+    # Written only by a forward; a conditional update (not a select) keeps the
+    # write in place: no second copy of a slot's residuals.
+    new["stash"] = jax.lax.cond(
+        op == FORWARD,
+        lambda: jax.tree.map(
+            lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, mine["stash_write"], 0),
+            carry["stash"], out["stash"],
+        ),
+        lambda: carry["stash"],
+    )  # fmt: skip
+    new["enter_stash"] = _put(
+        carry["enter_stash"], mine["stash_write"], out["enter_stash"], (op == FORWARD) & at.is_first
+    )
+    new["grad"] = _put(carry["grad"], mine["grad_local"], out["dy"], (op == FORWARD) & at.is_last)
+    new["d_params"] = jax.tree.map(
+        lambda acc, d: jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, at.v, keepdims=False) + d, at.v, 0
+        ),
+        carry["d_params"], out["d_params"],
+    )  # fmt: skip
+    new["d_first"] = jax.tree.map(jnp.add, carry["d_first"], out["d_first"])
+    new["d_last"] = jax.tree.map(jnp.add, carry["d_last"], out["d_last"])
+    if c.grad_inputs:
+        new["d_inputs"] = _put(carry["d_inputs"], at.mb, out["d_x"], (op == BACKWARD) & at.is_first)
+    return new
+
+
+def _transfers(c: _Run, new: dict, at: _At, out: dict) -> dict:
+    """The step's transfers: activations forward, cotangents backward, only on steps
+    that send; what arrives goes to the inbox and the gradient slots."""
+    s, wrap, mine, op = c.schedule.num_stages, c.schedule.repeats > 1, at.mine, at.op
+    dtype = c.h_aval.dtype
+    send_f = jnp.where((op == FORWARD) & ~at.is_last, 1.0, 0.0).astype(dtype) * out["send"]
+    received = jax.lax.cond(
+        mine["send_forward"],
+        jax.named_scope("pipeline_send_forward")(lambda: _shift(send_f, c.axis, s, 1, wrap)),
+        c.zero_h,
+    )
+    new["inbox"] = _put(new["inbox"], mine["inbox_write"], received, mine["inbox_write"] >= 0)
+    if c.with_grad:
+        send_b = jnp.where((op == BACKWARD) & ~at.is_first, 1.0, 0.0).astype(dtype) * out["send"]
+        got = jax.lax.cond(
+            mine["send_backward"],
+            jax.named_scope("pipeline_send_backward")(lambda: _shift(send_b, c.axis, s, -1, wrap)),
+            c.zero_h,
+        )
+        new["grad"] = _put(new["grad"], mine["grad_write"], got, mine["grad_write"] >= 0)
+    return new
 
 
 def _shift(x: Array, axis: str, s: int, offset: int, wrap: bool) -> Array:

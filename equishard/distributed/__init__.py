@@ -1,6 +1,6 @@
 """Multi-process runs with JAX's own runtime: `initialize`, the launch variables, per-process data."""
 
-from ._init import (
+from ._runtime import (
     COORDINATOR_ENV as COORDINATOR_ENV,
     LOCAL_DEVICE_COUNT_ENV as LOCAL_DEVICE_COUNT_ENV,
     NUM_PROCESSES_ENV as NUM_PROCESSES_ENV,

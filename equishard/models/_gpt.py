@@ -39,8 +39,7 @@ from ..nn import (
     remat_policy,
     vocab_parallel_cross_entropy,
 )
-from ..nn._fsdp import _after, scan_units, scannable
-from ..nn._linear import matmul_t
+from ..nn._internal import after as _after, matmul_t, scan_units, scannable
 from ..sharding import (
     Parallelism,
     add_leading_axis,
@@ -50,7 +49,7 @@ from ..sharding import (
     restrict_specs,
     unbox as es_unbox,
 )
-from ..sharding._specs import spec_axes
+from ..sharding._internal import spec_axes
 
 TP = "tp"
 

@@ -7,12 +7,14 @@ from ._cross_entropy import (
 from ._embedding import ParallelEmbedding as ParallelEmbedding
 from ._fsdp import (
     FSDP as FSDP,
-    fsdp_gather_params as fsdp_gather_params,
     fsdp_wrap as fsdp_wrap,
-    gather_params as gather_params,
     shard_module_params as shard_module_params,
 )
-from ._init import (
+from ._fsdp_gather import (
+    fsdp_gather_params as fsdp_gather_params,
+    gather_params as gather_params,
+)
+from ._initializers import (
     INIT_TYPES as INIT_TYPES,
     InitType as InitType,
     init_bias as init_bias,

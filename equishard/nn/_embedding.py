@@ -14,7 +14,7 @@ from .._axes import is_bound
 from .._errors import LayerConfigError
 from ..core import mp_gather, mp_reduce, mp_scatter, scatter_tokens
 from ..sharding import Sharded
-from ._init import (
+from ._initializers import (
     axis_size,
     check_choice,
     check_divisible,

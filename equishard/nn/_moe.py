@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import bound_axis_size, varying_axes
 from .._errors import LayerConfigError, SpecError
-from ..core._moe import (
+from ..core import (
     capacity_mask,
     dense_combine,
     dense_dispatch,
@@ -32,7 +32,7 @@ from ..core._moe import (
     top_k_router,
 )
 from ..sharding import Sharded
-from ._init import check_choice, check_divisible, check_positive, default_dtype, value_of
+from ._initializers import check_choice, check_divisible, check_positive, default_dtype, value_of
 
 _DISPATCHES = ("auto", "dense", "ragged")
 _RAGGED_IMPLS = ("auto", "native", "emulated")

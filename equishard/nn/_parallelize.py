@@ -30,10 +30,8 @@ from .._axes import axis_size, is_bound
 from .._errors import EquishardError, LayerConfigError, SpecError
 from .._text import first_line
 from ..core import bernoulli_block
-from ..sharding._box import Sharded
-from ..sharding._place import is_tracer
-from ..sharding._rules import compile_pattern, map_modules
-from ..sharding._shard_map import filter_shard_map
+from ..sharding import Sharded, filter_shard_map
+from ..sharding._internal import compile_pattern, is_tracer, map_modules
 from ._embedding import ParallelEmbedding
 from ._linear import ColumnParallelLinear, RowParallelLinear
 

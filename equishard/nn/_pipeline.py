@@ -14,6 +14,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
 from ..core import (
+    PipelineSchedule,
     execute_circular_pipeline,
     execute_pipeline,
     execute_schedule,
@@ -21,11 +22,10 @@ from ..core import (
     pipeline_layer_order,
     pipeline_schedule,
 )
-from ..core._pipeline import check_stage_output
-from ..core._schedule import PipelineSchedule
-from ..sharding._box import add_leading_axis, drop_leading_axis, plain_arrays
+from ..core._internal import check_stage_output
+from ..sharding import add_leading_axis, drop_leading_axis, plain_arrays
 from ._fsdp import FSDP
-from ._init import check_positive
+from ._initializers import check_positive
 
 
 class PipelineModule(eqx.Module):

@@ -58,10 +58,10 @@ from ..core import (
     async_scatter_split,
     mp_gather,
 )
-from ..core._collectives import ring_index
+from ..core._internal import ring_index
 from ..sharding import Sharded
-from ..sharding._fsdp import _axis_size
-from ._init import (
+from ..sharding._internal import axis_size_and_bound as _axis_size
+from ._initializers import (
     axis_size,
     check_choice,
     check_divisible,

@@ -43,7 +43,7 @@ from ..core import (
     ring_attention,
 )
 from ..sharding import Sharded
-from ._init import (
+from ._initializers import (
     axis_size,
     check_choice,
     check_divisible,

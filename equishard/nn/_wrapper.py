@@ -12,13 +12,8 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._axes import bound_axis_size, is_bound
 from .._errors import LayerConfigError
-from ..sharding._box import (
-    add_leading_axis,
-    drop_leading_axis,
-    is_sharded,
-    plain_arrays,
-)
-from ._init import check_positive, value_of
+from ..sharding import add_leading_axis, drop_leading_axis, is_sharded, plain_arrays
+from ._initializers import check_positive, value_of
 
 
 def _fold_keys(key: PRNGKeyArray, index: Any, split_rngs: bool) -> PRNGKeyArray:

@@ -15,8 +15,8 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..sharding import specs_of
-from ..sharding._specs import is_array_like, is_spec
+from ..sharding import is_array_like, specs_of
+from ..sharding._internal import is_spec
 
 
 def abstract_state(make_state: Callable[[], Any], mesh: Mesh) -> Any:

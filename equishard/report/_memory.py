@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from .._text import fill, human_bytes
 from ..core import BLOCKWISE_THRESHOLD, DEFAULT_BLOCK_SIZE
 from ..models import GPTConfig
-from ..nn._remat import REMAT_POLICIES
+from ..nn import REMAT_POLICIES
 from ..sharding import Layout, ParamRow
 from ._minimum import _is_unit, _setting
 

@@ -118,11 +118,10 @@ from jax.sharding import AbstractMesh
 from .._text import human_bytes, text_table
 from ..core import expert_capacity, pipeline_schedule, schedule_weights
 from ..models import GPT, GPTConfig
-from ..models._gpt import canonical_path
+from ..models._internal import canonical_path
 from ..nn import RMSNorm
 from ..sharding import Layout, ParamRow, is_sharded, param_table, path_str
-from ..sharding._specs import spec_axes
-from ..sharding._zero import zero_spec
+from ..sharding._internal import spec_axes, zero_spec
 
 __all__ = [
     "Minimum",

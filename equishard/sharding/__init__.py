@@ -17,15 +17,15 @@ from ._fsdp import (
     reference_dimension as reference_dimension,
     shard_params as shard_params,
 )
-from ._init import (
-    check_threefry_partitionable as check_threefry_partitionable,
-    sharded_init as sharded_init,
-)
 from ._layout import AXES as AXES, Layout as Layout, Parallelism as Parallelism
 from ._mesh import make_mesh as make_mesh, parse_layout as parse_layout
 from ._place import gather as gather, shard as shard
 from ._rules import apply_rules as apply_rules
 from ._shard_map import filter_shard_map as filter_shard_map
+from ._sharded_init import (
+    check_threefry_partitionable as check_threefry_partitionable,
+    sharded_init as sharded_init,
+)
 from ._specs import (
     check_spec as check_spec,
     check_tree_specs as check_tree_specs,

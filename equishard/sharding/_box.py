@@ -9,7 +9,6 @@ boxes), checkpoints and `eqx.filter_*` transforms all carry the spec with no ext
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import equinox as eqx
@@ -42,7 +41,6 @@ class Sharded(eqx.Module):
       trailing entries mean "not split"; the box stores it padded with `None`).
     - `global_shape`: the global shape; defaults to `value.shape` (pass it when boxing
       a local block inside `shard_map`).
-    - `shape`: the former name of `global_shape`, accepted for one release.
     """
 
     value: ArrayLike
@@ -54,23 +52,11 @@ class Sharded(eqx.Module):
         value: ArrayLike,
         spec: P = P(),
         global_shape: tuple[int, ...] | None = None,
-        *,
-        shape: tuple[int, ...] | None = None,
     ):
         if not isinstance(spec, P):
             raise SpecError(
                 f"Sharded(spec=...) takes a jax.sharding.PartitionSpec, got {spec!r}."
             )
-        if shape is not None:
-            if global_shape is not None:
-                raise SpecError("Sharded: pass global_shape only (shape is its former name).")
-            warnings.warn(
-                "Sharded(shape=...) is renamed Sharded(global_shape=...); `shape` will be "
-                "removed in the next release.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            global_shape = shape
         shape = global_shape
         if shape is not None:
             _check_value_shape(value, P(*spec), tuple(int(d) for d in shape))
@@ -86,11 +72,6 @@ class Sharded(eqx.Module):
         self.value = value
         self.spec = P(*spec, *((None,) * (len(shape) - len(spec))))
         self.global_shape = shape
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The global shape: an alias of `global_shape`, kept for one release."""
-        return self.global_shape
 
     def with_value(self, value: ArrayLike) -> "Sharded":
         """The same box (type, spec, global shape) around another value."""

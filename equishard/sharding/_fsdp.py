@@ -42,7 +42,7 @@ class AutoSharded(Sharded):
     """
 
 
-def _axis_size(axis_name: str, mesh: Mesh | AbstractMesh | None, fn_name: str) -> tuple[int, bool]:
+def axis_size_and_bound(axis_name: str, mesh: Mesh | AbstractMesh | None, fn_name: str) -> tuple[int, bool]:
     """`(size, inside_shard_map)` for `axis_name`."""
     bound = bound_axis_size(axis_name)
     if bound is not None:
@@ -108,7 +108,7 @@ def _split_tree(params: PyTree, axis_name: str, min_weight_size: int, mesh: Any,
     """
     fn_name = "shard_params" if reference else "fsdp_split_params"
     _check_min_weight_size(fn_name, min_weight_size)
-    size, local = _axis_size(axis_name, mesh, fn_name)
+    size, local = axis_size_and_bound(axis_name, mesh, fn_name)
 
     def split(path: Any, leaf: Any) -> Any:
         boxed = is_sharded(leaf)

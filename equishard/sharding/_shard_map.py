@@ -19,8 +19,8 @@ import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._axes import varying_axes
 from .._errors import SpecError
-from ..core._collectives import varying_axes
 from ._place import _map_with_specs, is_tracer, place
 from ._specs import (
     check_tree_specs,

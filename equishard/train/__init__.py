@@ -6,7 +6,6 @@ the train step and the plain-Equinox export need only the base install.
 
 import importlib
 import typing
-import warnings
 
 from ._export import export_model as export_model, import_model as import_model
 from ._step import (
@@ -21,21 +20,6 @@ if typing.TYPE_CHECKING:
 
 _CHECKPOINT_NAMES = ("Checkpointer",)
 
-_MOVED = {
-    "Layout": "equishard.sharding",
-    "AXES": "equishard.sharding",
-    "TrainConfig": "equishard._app",
-    "run": "equishard._app",
-    "ByteCorpus": "equishard._app",
-    "get_batch": "equishard._app",
-    "load_stdlib_corpus": "equishard._app",
-    "split_batch": "equishard._app",
-    "stdlib_corpus": "equishard._app",
-    "stdlib_files": "equishard._app",
-    "unigram_entropy": "equishard._app",
-}
-"""Names that left `equishard.train`, and their new module (deprecated here)."""
-
 
 def __getattr__(name: str) -> typing.Any:
     if name in _CHECKPOINT_NAMES:
@@ -47,18 +31,4 @@ def __getattr__(name: str) -> typing.Any:
                 f"pip install 'equishard[train]'."
             ) from err
         return getattr(module, name)
-    if name in _MOVED:
-        home = _MOVED[name]
-        where = (
-            f"`{home}.{name}`"
-            if home == "equishard.sharding"
-            else "the `equishard train` command's private application package"
-        )
-        warnings.warn(
-            f"equishard.train.{name} is deprecated and will be removed in the next release: "
-            f"it moved to {where}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(home), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -757,7 +757,7 @@ class Checkpointer:
 
 
 def _versions() -> dict[str, str]:
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "equishard": __version__,

@@ -27,8 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from jaxtyping import PyTree
 
 from .._errors import CheckpointError
-from ..sharding import is_array_like, is_sharded, path_str, specs_of
-from ..sharding._specs import check_spec
+from ..sharding import check_spec, is_array_like, is_sharded, path_str, specs_of
 
 FORMAT = "equishard.checkpoint"
 FORMAT_VERSION = 1

@@ -30,12 +30,16 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._axes import cast_varying, combined_axis_size, mesh_ordered, varying_axes, vma_checked
 from .._errors import ConventionError, LayerConfigError
-from ..core._random import global_index
-from ..sharding import filter_shard_map, shard, sharded_init
-from ..sharding._box import is_sharded, with_spec
-from ..sharding._fsdp import DEFAULT_MIN_WEIGHT_SIZE
-from ..sharding._specs import is_spec, spec_axes, specs_of
-from ..sharding._zero import ZeroAxes, zero_axes, zero_split
+from ..core import global_index
+from ..sharding import filter_shard_map, is_sharded, shard, sharded_init, specs_of, zero_split
+from ..sharding._internal import (
+    DEFAULT_MIN_WEIGHT_SIZE,
+    ZeroAxes,
+    is_spec,
+    spec_axes,
+    with_spec,
+    zero_axes,
+)
 
 LossFn = Callable[..., tuple[Array, dict[str, Array]]]
 
