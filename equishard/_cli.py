@@ -217,7 +217,7 @@ def _last_step(args: argparse.Namespace) -> str:
 
     if args.command != "train":
         return ""
-    from .train._checkpoint import committed_steps
+    from .train._internal import committed_steps
 
     directory = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.run_dir) / "checkpoints")
     steps = committed_steps(directory)

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "equishard"
 # `gpt_memory`), so it sits above `models` and `train`: nothing below imports it.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("_errors", "_text", "_version"),
-    ("_axes",),
+    ("_axes", "_env"),
     ("core", "sharding", "distributed"),
     ("nn",),
     ("models", "train", ""),  # "" is the package root, `equishard/__init__.py`

@@ -14,7 +14,7 @@ from .._axes import AxisName, axis_tuple, is_bound
 from .._errors import LayerConfigError
 from ..core import CrossEntropySums, fused_linear_cross_entropy, mp_reduce
 from ..sharding import filter_shard_map
-from ._init import value_of
+from ._initializers import value_of
 
 
 def vocab_parallel_cross_entropy(

@@ -4,4 +4,4 @@ the one way into its private modules from outside it (see `tests/test_structure.
 Importing it imports orbax (the `train` extra): only the application does.
 """
 
-from ._checkpoint import probe_writable as probe_writable
+from ._checkpoint import committed_steps as committed_steps, probe_writable as probe_writable
