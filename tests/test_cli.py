@@ -111,7 +111,9 @@ def test_sigterm_saves_a_step_and_the_resume_sees_every_step_once(uninterrupted,
     assert child.returncode == 0, err[-3000:]
     stopped = [x for x in out.splitlines() if "received SIGTERM" in x]
     assert len(stopped) == 1 and "Traceback" not in err, out[-2000:]
-    last = int(re.search(r"stopped after step (\d+) of", stopped[0]).group(1))
+    found = re.search(r"stopped after step (\d+) of", stopped[0])
+    assert found, stopped[0]
+    last = int(found.group(1))
     assert 5 <= last < STEPS
     with Checkpointer(run / "checkpoints") as ckpt:
         assert ckpt.latest_step() == last
