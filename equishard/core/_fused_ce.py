@@ -63,6 +63,7 @@ class _Options(NamedTuple):
     z_loss: float
     smoothing: float
     softcap: float | None
+    weight_dtype: Any  # the weight's gradient leaves in it (accumulated in float32)
 
 
 def default_chunk_size(vocab_local: int) -> int:
@@ -188,7 +189,7 @@ def _fused_fwd(h: Array, w: Array, labels: Array, opts: _Options):
 def _fused_bwd(opts: _Options, res: tuple[Array, Array], ct: tuple[Array, Array, Array]):
     dh, dw = res
     g = ct[0]
-    return (g * dh).astype(dh.dtype), (g * dw), None
+    return (g * dh).astype(dh.dtype), (g * dw).astype(opts.weight_dtype), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -255,7 +256,7 @@ def fused_linear_cross_entropy(
     n = combined_axis_size(axes) if axes else 1
     opts = _Options(
         axes, chunk_size or default_chunk_size(weight.shape[0]), weight.shape[0] * n,
-        ignore_index, float(z_loss), float(label_smoothing), softcap,
+        ignore_index, float(z_loss), float(label_smoothing), softcap, jnp.dtype(weight.dtype),
     )  # fmt: skip
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
     # Everything varies alike inside the rule: the casts' transposes sum the gradients
