@@ -232,7 +232,7 @@ def fused_linear_cross_entropy(
     - `labels`: the target ids `[...]` (global ids), replicated over the axis.
     - `axis_name`: the mesh axis (or axes) the vocabulary is split over, or `None`.
     - `chunk_size`: tokens per chunk (default: about 2²⁴ logits per chunk, see
-      `CHUNK_ELEMENTS`); the last chunk is padded.
+      `CHUNK_ELEMENTS`; at most the number of tokens); the last chunk is padded.
     - `ignore_index`: a label whose tokens count for nothing (no loss, no gradient, not
       in `tokens`).
     - `z_loss`: the coefficient of the z-loss `log(Z)²` added per token (PaLM's).
@@ -254,11 +254,13 @@ def fused_linear_cross_entropy(
         raise LayerConfigError(f"fused_linear_cross_entropy: chunk_size={chunk_size} must be positive.")
     axes = axis_tuple(axis_name) if axis_name is not None and is_bound(axis_name) else ()
     n = combined_axis_size(axes) if axes else 1
+    h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
+    # No chunk larger than the tokens (nor padded beyond them).
+    chunk = max(min(chunk_size or default_chunk_size(weight.shape[0]), h.shape[0]), 1)
     opts = _Options(
-        axes, chunk_size or default_chunk_size(weight.shape[0]), weight.shape[0] * n,
+        axes, chunk, weight.shape[0] * n,
         ignore_index, float(z_loss), float(label_smoothing), softcap, jnp.dtype(weight.dtype),
     )  # fmt: skip
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
     # Everything varies alike inside the rule: the casts' transposes sum the gradients
     # of a replicated `hidden` over the vocabulary axis (and of `weight` over the data
     # axes it is replicated on).
