@@ -63,6 +63,7 @@ class _Options(NamedTuple):
     z_loss: float
     smoothing: float
     softcap: float | None
+    weight_dtype: Any  # the weight's gradient leaves in it (accumulated in float32)
 
 
 def default_chunk_size(vocab_local: int) -> int:
@@ -182,15 +183,13 @@ def _fused_fwd(h: Array, w: Array, labels: Array, opts: _Options):
     hs, ls, valid = _split(h, labels, opts)
     (loss, ce, correct), dh, dw = _scan(hs, w, ls, valid, opts, grads=True)
     dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
-    # dw is accumulated in float32; an empty array carries the weight's dtype to the
-    # backward rule, whose cotangent must have it (bf16 weights under mixed precision).
-    return (loss, ce, correct), (dh, dw, jnp.zeros((0,), w.dtype))
+    return (loss, ce, correct), (dh, dw)
 
 
-def _fused_bwd(opts: _Options, res: tuple[Array, Array, Array], ct: tuple[Array, Array, Array]):
-    dh, dw, w_dtype = res
+def _fused_bwd(opts: _Options, res: tuple[Array, Array], ct: tuple[Array, Array, Array]):
+    dh, dw = res
     g = ct[0]
-    return (g * dh).astype(dh.dtype), (g * dw).astype(w_dtype.dtype), None
+    return (g * dh).astype(dh.dtype), (g * dw).astype(opts.weight_dtype), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -233,7 +232,7 @@ def fused_linear_cross_entropy(
     - `labels`: the target ids `[...]` (global ids), replicated over the axis.
     - `axis_name`: the mesh axis (or axes) the vocabulary is split over, or `None`.
     - `chunk_size`: tokens per chunk (default: about 2²⁴ logits per chunk, see
-      `CHUNK_ELEMENTS`); the last chunk is padded.
+      `CHUNK_ELEMENTS`; at most the number of tokens); the last chunk is padded.
     - `ignore_index`: a label whose tokens count for nothing (no loss, no gradient, not
       in `tokens`).
     - `z_loss`: the coefficient of the z-loss `log(Z)²` added per token (PaLM's).
@@ -255,11 +254,13 @@ def fused_linear_cross_entropy(
         raise LayerConfigError(f"fused_linear_cross_entropy: chunk_size={chunk_size} must be positive.")
     axes = axis_tuple(axis_name) if axis_name is not None and is_bound(axis_name) else ()
     n = combined_axis_size(axes) if axes else 1
-    opts = _Options(
-        axes, chunk_size or default_chunk_size(weight.shape[0]), weight.shape[0] * n,
-        ignore_index, float(z_loss), float(label_smoothing), softcap,
-    )  # fmt: skip
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
+    # No chunk larger than the tokens (nor padded beyond them).
+    chunk = max(min(chunk_size or default_chunk_size(weight.shape[0]), h.shape[0]), 1)
+    opts = _Options(
+        axes, chunk, weight.shape[0] * n,
+        ignore_index, float(z_loss), float(label_smoothing), softcap, jnp.dtype(weight.dtype),
+    )  # fmt: skip
     # Everything varies alike inside the rule: the casts' transposes sum the gradients
     # of a replicated `hidden` over the vocabulary axis (and of `weight` over the data
     # axes it is replicated on).

@@ -23,7 +23,8 @@ sequence parallelism, floats of 4 bytes unless the model's dtype says otherwise)
   probabilities `[t, T, H/n]` each — from `BLOCKWISE_THRESHOLD` keys on, and always
   with ring attention, one `DEFAULT_BLOCK_SIZE` square block of them per sequence,
   as the blockwise kernel holds —, context, projections, MLP activations) and the
-  logits with their softmax and gradient (`3 [t, V/n]`).
+  logits with their softmax and gradient (`3 [t, V/n]`; with the fused loss,
+  `GPTConfig.fused_loss`, those of one chunk of tokens, `3 [min(t, chunk), V/n]`).
 - **the update**: the gradients, and the new optimizer state built beside the old one.
   Under ZeRO (`Layout(zero=True)`) the optimizer state (read off its specs) is 1/dp
   per device and so is the new one; the gradients still count whole: each device
@@ -47,6 +48,7 @@ from collections.abc import Mapping, Sequence
 
 from .._text import fill, human_bytes
 from ..core import BLOCKWISE_THRESHOLD, DEFAULT_BLOCK_SIZE
+from ..core._fused_ce import default_chunk_size
 from ..models import GPTConfig
 from ..nn import REMAT_POLICIES
 from ..sharding import Layout, ParamRow
@@ -185,7 +187,10 @@ def gpt_memory(
         name: int((layers - 1) * (layer["fsdp"] if fsdp and name != "full" else layer[name]))
         for name in REMAT_POLICIES
     }
-    logits = 3 * t * config.vocab_size / s.tp * 4
+    vocab_local = config.vocab_size // s.tp
+    # The fused loss holds one chunk's logits, softmax and gradient at a time.
+    chunk = config.loss_chunk_size or default_chunk_size(vocab_local)
+    logits = 3 * (min(t, chunk) if config.fused_loss else t) * vocab_local * 4
     working = layers * layer["x"] + layer["none"] + logits
     if fsdp:  # one unit's parameters whole
         unit = sum(r.bytes_per_device for r in params if _is_unit(r.path)) / max(layers, 1)
