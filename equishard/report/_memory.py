@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 
 from .._text import fill, human_bytes
 from ..core import BLOCKWISE_THRESHOLD, DEFAULT_BLOCK_SIZE
-from ..core._fused_ce import default_chunk_size
+from ..core._internal import default_chunk_size
 from ..models import GPTConfig
 from ..nn import REMAT_POLICIES
 from ..sharding import Layout, ParamRow
