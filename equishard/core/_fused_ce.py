@@ -234,7 +234,7 @@ def fused_linear_cross_entropy(
     - `weight`: the output weight `[V/n, D]` (this device's rows; `[V, D]` unsplit).
     - `labels`: the target ids `[...]` (global ids), replicated over the axis.
     - `axis_name`: the mesh axis (or axes) the vocabulary is split over, or `None`.
-    - `chunk_size`: tokens per chunk (default: about 2²⁴ logits per chunk, see
+    - `chunk_size`: tokens per chunk (default: at most 2²⁸ logits per chunk, see
       `CHUNK_ELEMENTS`; at most the number of tokens); the last chunk is padded.
     - `ignore_index`: a label whose tokens count for nothing (no loss, no gradient, not
       in `tokens`).
