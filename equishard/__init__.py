@@ -15,6 +15,7 @@ from ._errors import (
     MeshError as MeshError,
     SpecError as SpecError,
     TrainingError as TrainingError,
+    TrainStepError as TrainStepError,
 )
 from .nn import parallelize as parallelize
 from .sharding import (
