@@ -184,3 +184,39 @@ def test_a_donated_state_is_refused_not_a_crash():
     once, _ = _step(donate=False)(kept, _batch())
     again, _ = _step(donate=False)(kept, _batch())
     assert rel_err(once.model.weight, again.model.weight) == 0.0
+
+
+# --- the parts ---------------------------------------------------------------------------
+
+
+def test_accumulate_carries_a_model_state_through_the_micro_steps_in_order():
+    from equishard.train._gradients import accumulate
+
+    def one(i, part, seen):  # the state records the micro-batches in the order they came
+        out = (jnp.sum(part), {"first": part[0]}, {"g": part * 2.0})
+        return seen.at[i].set(part[0]), out
+
+    micro = jnp.arange(8.0).reshape(4, 2)
+    seen, (loss, metrics, grads) = accumulate(one, micro, 4, jnp.full(4, -1.0))
+    assert seen.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert float(loss) == 7.0 and float(metrics["first"]) == 3.0
+    assert grads["g"].tolist() == [6.0, 8.0]
+
+
+def test_split_microbatches_takes_each_shards_slice():
+    from equishard.core._microbatch import split_microbatches
+
+    x = jnp.arange(8)
+    assert split_microbatches(x, 2, what="t").tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_microbatches(x, 2, what="t", shards=2).tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(es.LayerConfigError, match=r"t: an input of shape \(8,\) cannot be split into 2 data shards x grad_accum=3 equal"):
+        split_microbatches(x, 3, what="t", name="grad_accum", shards=2)
+
+
+def test_train_state_fields_are_those_of_the_checkpoint_format(monkeypatch):
+    from equishard.train import _state
+
+    _state._check_fields()  # as defined
+    monkeypatch.setitem(_state.TRAIN_STATE_FIELDS, _state.FORMAT_VERSION, ("step", "model"))
+    with pytest.raises(RuntimeError, match="a change to TrainState needs a new FORMAT_VERSION"):
+        _state._check_fields()

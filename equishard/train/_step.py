@@ -37,6 +37,7 @@ from jaxtyping import PyTree
 
 from .._errors import LayerConfigError, TrainStepError
 from ..sharding import filter_shard_map, path_str, shard
+from ..sharding._box import is_sharded
 from ..sharding._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 from ..sharding._zero import ZeroAxes
 from ._gradients import data_axes_of, global_gradients, gradient_specs, local_gradients
@@ -185,7 +186,8 @@ def check_state(state: TrainState, mesh: Mesh) -> None:
     donated array given to XLA again crashes the process rather than raising.
     """
     seen: set[int] = set()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_sharded):
+        leaf = leaf.value if is_sharded(leaf) else leaf  # named by its box's path
         if not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
             continue  # abstract (lowering from shapes) or not an array
         if leaf.is_deleted():
