@@ -37,7 +37,6 @@ from jaxtyping import PyTree
 
 from .._errors import LayerConfigError, TrainStepError
 from ..sharding import filter_shard_map, path_str, shard
-from ..sharding._box import is_sharded
 from ..sharding._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 from ..sharding._zero import ZeroAxes
 from ._gradients import data_axes_of, global_gradients, gradient_specs, local_gradients
@@ -155,28 +154,38 @@ def _mesh_text(mesh: Mesh) -> str:
     return f"{dict(mesh.shape)} of devices {[d.id for d in mesh.devices.flat]}"
 
 
-def _check_placement(where: str, sharding: Any, mesh: Mesh) -> None:
-    """Raise unless an array laid out by `sharding` lives on the step's `mesh`."""
+def _on_mesh(sharding: Any, mesh: Mesh) -> bool:
+    """Whether an array laid out by `sharding` lives on `mesh` (its devices, its axes)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding.device_set <= set(mesh.devices.flat)
+    other = sharding.mesh
+    return other is mesh or (
+        isinstance(other, Mesh)
+        and other.axis_names == mesh.axis_names
+        and other.devices.shape == mesh.devices.shape
+        and bool((other.devices == mesh.devices).all())
+    )
+
+
+def _refuse_placement(where: str, sharding: Any, mesh: Mesh) -> None:
     if isinstance(sharding, NamedSharding):
         other = sharding.mesh
-        if other is mesh or (
-            isinstance(other, Mesh)
-            and other.axis_names == mesh.axis_names
-            and other.devices.shape == mesh.devices.shape
-            and (other.devices == mesh.devices).all()
-        ):
-            return
-        given = _mesh_text(other) if isinstance(other, Mesh) else str(other)
-    elif sharding.device_set <= set(mesh.devices.flat):
-        return
+        given = "mesh " + (_mesh_text(other) if isinstance(other, Mesh) else str(other))
     else:
         given = f"devices {sorted(d.id for d in sharding.device_set)}"
     raise TrainStepError(
-        f"make_train_step: the state's `{where}` is laid out on mesh {given}; this step "
-        f"runs on mesh {_mesh_text(mesh)}. The state was built for another layout or other "
+        f"make_train_step: the state's `{where}` is laid out on {given}; this step runs on "
+        f"mesh {_mesh_text(mesh)}. The state was built for another layout or other "
         f"devices: build it with init_train_state(..., mesh=...) of the step's mesh, or "
         f"restore its checkpoint onto that mesh (a checkpoint restores across layouts)."
     )
+
+
+def _leaf_name(state: TrainState, index: int) -> str:
+    """The path of `state`'s `index`-th leaf (a box's array named by the box's path)."""
+    path, _ = jax.tree_util.tree_leaves_with_path(state)[index]
+    name = path_str(path).lstrip(".")
+    return name.removesuffix(".value")
 
 
 def check_state(state: TrainState, mesh: Mesh) -> None:
@@ -186,22 +195,23 @@ def check_state(state: TrainState, mesh: Mesh) -> None:
     donated array given to XLA again crashes the process rather than raising.
     """
     seen: set[int] = set()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_sharded):
-        leaf = leaf.value if is_sharded(leaf) else leaf  # named by its box's path
-        if not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+    for index, leaf in enumerate(jax.tree.leaves(state)):
+        if isinstance(leaf, Tracer) or not isinstance(leaf, jax.Array):
             continue  # abstract (lowering from shapes) or not an array
         if leaf.is_deleted():
             raise TrainStepError(
-                f"make_train_step: the state's `{path_str(path).lstrip('.')}` has been "
+                f"make_train_step: the state's `{_leaf_name(state, index)}` has been "
                 f"deleted: this state was donated to an earlier call of a train step "
                 f"(make_train_step(..., donate=True), the default), which consumed its "
                 f"buffers. Go on with the state that call returned (`state, metrics = "
                 f"step(state, batch)`), or make the step with donate=False to keep the "
                 f"state it is given (two states' memory during the step)."
             )
-        if id(leaf.sharding) not in seen:
-            _check_placement(path_str(path).lstrip("."), leaf.sharding, mesh)
-            seen.add(id(leaf.sharding))
+        sharding = leaf.sharding
+        if id(sharding) not in seen:
+            seen.add(id(sharding))
+            if not _on_mesh(sharding, mesh):
+                _refuse_placement(_leaf_name(state, index), sharding, mesh)
 
 
 def _shapes(batch: PyTree) -> PyTree:
