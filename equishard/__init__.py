@@ -21,6 +21,7 @@ from ._errors import (
     MeshError as MeshError,
     SpecError as SpecError,
     TrainingError as TrainingError,
+    TrainStepError as TrainStepError,
 )
 from ._version import __version__ as __version__
 from .nn import parallelize as parallelize

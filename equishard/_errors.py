@@ -44,5 +44,11 @@ class ConventionError(EquishardError):
     """
 
 
+class TrainStepError(EquishardError):
+    """A train step was given what its contract refuses: a loss function's return value,
+    an optimizer, a state or a batch that does not fit the step (the message names the
+    argument, what was expected and what was given)."""
+
+
 class TrainingError(EquishardError):
     """A run cannot go on: its steps keep producing non-finite values."""

@@ -39,6 +39,7 @@ from jaxtyping import Array, PyTree
 
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
+from ._microbatch import split_microbatches
 from ._pipeline import check_stage_output
 from ._schedule import BACKWARD, FORWARD, IDLE, WEIGHT, PipelineSchedule
 
@@ -156,20 +157,6 @@ def _plan(schedule: PipelineSchedule) -> _Plan:
 # ----------------------------------------------------------------------------------------
 # Execution.
 # ----------------------------------------------------------------------------------------
-
-
-def _split(tree: PyTree, m: int, what: str) -> PyTree:
-    def split(a: Array) -> Array:
-        if a.ndim < 1 or a.shape[0] % m:
-            raise LayerConfigError(
-                f"{what}: an input of shape {tuple(a.shape)} cannot be split into "
-                f"num_microbatches={m} equal micro-batches; the batch per device must be "
-                f"divisible by num_microbatches."
-            )
-        # f32[B, ...] -> f32[M, B/M, ...]: micro-batch m is rows [m B/M, (m+1) B/M).
-        return a.reshape(m, a.shape[0] // m, *a.shape[1:])
-
-    return jax.tree.map(split, tree)
 
 
 def _index(tree: PyTree, i: Array) -> PyTree:
@@ -354,8 +341,8 @@ def _run(
     s, m, r = schedule.num_stages, schedule.num_microbatches, schedule.repeats
     last_stage = s * r - 1
     me = jax.lax.axis_index(axis)
-    inputs_mb = _split(inputs, m, "execute_schedule")  # [M, b, ...]
-    targets_mb = _split(targets, m, "execute_schedule")
+    inputs_mb = split_microbatches(inputs, m, what="execute_schedule")  # [M, b, ...]
+    targets_mb = split_microbatches(targets, m, what="execute_schedule")
 
     chunk0 = _index(params, jnp.int32(0))
     x0 = _index(inputs_mb, jnp.int32(0))

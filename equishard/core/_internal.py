@@ -3,5 +3,6 @@ the one way into its private modules from outside it (see `tests/test_structure.
 """
 
 from ._collectives import ring_index as ring_index
-from ._pipeline import check_stage_output as check_stage_output
 from ._fused_ce import default_chunk_size as default_chunk_size
+from ._microbatch import split_microbatches as split_microbatches
+from ._pipeline import check_stage_output as check_stage_output

@@ -37,6 +37,7 @@ from jaxtyping import Array
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
 from ._collectives import ring_shift
+from ._microbatch import split_microbatches
 from ._schedule import FORWARD, pipeline_schedule
 
 # ----------------------------------------------------------------------------------------
@@ -188,18 +189,6 @@ def _num_stages(model_axis_name: str) -> int:
     return size
 
 
-def _split_microbatches(x: Array, num_microbatches: int, num_stages: int, what: str) -> Array:
-    if x.ndim < 1 or x.shape[0] % num_microbatches:
-        raise LayerConfigError(
-            f"{what}: the local batch of shape {tuple(x.shape)} cannot be split into "
-            f"num_microbatches={num_microbatches} equal micro-batches (on a stage axis "
-            f"of size {num_stages}); the batch per device must be divisible by "
-            f"num_microbatches."
-        )
-    # f32[B, ...] -> f32[M, B/M, ...]: micro-batch m is rows [m B/M, (m+1) B/M).
-    return x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:])
-
-
 def _run_schedule(
     call: Callable[[Array, Array], Array],
     x: Array,
@@ -209,7 +198,8 @@ def _run_schedule(
 ) -> Array:
     """Run `call(repeat, x_mb)` over `schedule`; the last stage's outputs, zeros elsewhere."""
     s, m, r = schedule.num_stages, schedule.num_microbatches, schedule.repeats
-    inputs = _split_microbatches(x, m, s, what)  # f32[M, b, ...], b = B/M
+    hint = f"the stage axis has size {s}; the batch per device must be divisible by {{name}}."
+    inputs = split_microbatches(x, m, what=what, hint=hint)  # f32[M, b, ...], b = B/M
     mb_shape = inputs.shape[1:]
 
     # The carries vary over what the stage output varies over: find it by tracing once.

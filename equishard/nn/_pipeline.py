@@ -22,7 +22,7 @@ from ..core import (
     pipeline_layer_order,
     pipeline_schedule,
 )
-from ..core._internal import check_stage_output
+from ..core._internal import check_stage_output, split_microbatches
 from ..sharding import add_leading_axis, drop_leading_axis, plain_arrays
 from ._fsdp import FSDP
 from ._initializers import check_positive
@@ -265,9 +265,9 @@ class PipelineModule(eqx.Module):
         if not self.explicit:
             h = inputs if first is None else first(first_params, inputs)
             y = self(h, *layer_args)  # f32[B, ...] on the last stage, zeros elsewhere
-            split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
+            what = "PipelineModule.loss"
             losses = jax.vmap(lambda y, t: last(last_params, y, t))(
-                split(y), jax.tree.map(split, targets)
+                split_microbatches(y, m, what=what), split_microbatches(targets, m, what=what)
             )
             return from_last_stage(jnp.mean(losses), self.model_axis_name)
         dynamic, static = self._local_layers()

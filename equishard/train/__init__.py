@@ -8,10 +8,11 @@ import importlib
 import typing
 
 from ._export import export_model as export_model, import_model as import_model
+from ._gradients import global_norm as global_norm
+from ._state import TrainState as TrainState, init_train_state as init_train_state
 from ._step import (
-    TrainState as TrainState,
-    global_norm as global_norm,
-    init_train_state as init_train_state,
+    CompiledTrainStep as CompiledTrainStep,
+    TrainStep as TrainStep,
     make_train_step as make_train_step,
 )
 

@@ -31,6 +31,15 @@ from ..sharding import check_spec, is_array_like, is_sharded, path_str, specs_of
 
 FORMAT = "equishard.checkpoint"
 FORMAT_VERSION = 1
+"""The checkpoint format's version: it changes with the format, and with `TrainState`'s
+fields (`TRAIN_STATE_FIELDS`)."""
+
+TRAIN_STATE_FIELDS: dict[int, tuple[str, ...]] = {
+    1: ("step", "model", "opt_state", "key", "data_position", "skipped"),
+}
+"""The fields of a saved `TrainState`, per `FORMAT_VERSION`. `TrainState` is checked
+against `TRAIN_STATE_FIELDS[FORMAT_VERSION]` when it is defined: a field added or renamed
+without a new format version (and its entry here) fails at import."""
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,282 @@
+"""The train step's first phase: the gradients, in the local or the global view.
+
+- `value_and_grad`: one micro-batch's loss, metrics and gradients, through the loss
+  adapter and the precision hook.
+- `accumulate`: the micro-steps in order, a model state carried through them, and the
+  mean of their losses, metrics and gradients.
+- `local_gradients`: inside `shard_map`; the gradients of replicated parameters summed
+  once, after the last micro-step (or by the optimizer-state layout, under ZeRO).
+- `global_gradients`: under `jit` on the global arrays, XLA inserting the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from .._axes import cast_varying, mesh_ordered, varying_axes, vma_checked
+from .._errors import ConventionError
+from ..core._internal import split_microbatches
+from ..sharding import is_sharded, shard, specs_of
+from ..sharding._internal import is_spec, spec_axes
+from ._loss import LossAdapter
+from ._opt_sharding import OptStateSharding
+from ._precision import Precision
+
+Gradients = tuple[Any, dict[str, Any], PyTree]  # (loss, metrics, grads)
+
+
+def global_norm(tree: PyTree) -> Array:
+    """The L2 norm of all arrays of `tree`, inside `shard_map`, across their shards.
+
+    Each box's local sum of squares is summed over the mesh axes its spec splits it
+    over; replicated arrays count once.
+
+    **Arguments:**
+
+    - `tree`: local blocks with their boxes (e.g. gradients).
+
+    **Returns:**
+
+    `f32[]`, the same on every device.
+    """
+    total = jnp.zeros((), jnp.float32)
+    for leaf in jax.tree.leaves(tree, is_leaf=is_sharded):
+        value = leaf.value if is_sharded(leaf) else leaf
+        if not eqx.is_inexact_array(value):
+            continue
+        local = jnp.sum(jnp.square(value.astype(jnp.float32)))
+        axes = spec_axes(leaf.spec) if is_sharded(leaf) else []
+        total = total + (jax.lax.psum(local, tuple(axes)) if axes else local)
+    return jnp.sqrt(total)
+
+
+def value_and_grad(
+    adapter: LossAdapter, precision: Precision, model: PyTree, batch: PyTree,
+    key: PRNGKeyArray, index: Any, model_state: Any = None,
+) -> tuple[Any, Gradients]:
+    """`(model_state, (loss, metrics, grads))` of one batch, `grads` of `model`'s floats."""
+
+    def loss(model: PyTree, batch: PyTree, key: PRNGKeyArray, index: Any) -> Any:
+        return adapter(precision.compute(model), batch, key, index, model_state)
+
+    grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
+    (value, (metrics, model_state)), grads = grad_fn(model, batch, key, index)
+    return model_state, (value, metrics, precision.gradients(grads))
+
+
+def accumulate(
+    one: Callable[[Any, PyTree, Any], tuple[Any, Gradients]],
+    micro: PyTree,
+    k: int,
+    model_state: Any = None,
+    *,
+    accept: Callable[[Gradients], bool] | None = None,
+) -> tuple[Any, Gradients] | None:
+    """The mean of `one` over `k` micro-batches, in order, a model state carried through.
+
+    **Arguments:**
+
+    - `one`: `one(i, micro_batch, model_state) -> (model_state, (loss, metrics, grads))`.
+    - `micro`: every array `[k, ...]`, micro-batch `i` its `i`-th slice.
+    - `k`: the number of micro-batches.
+    - `model_state`: the state the first micro-step gets (`None`: none).
+    - `accept`: a test of the first micro-step's result; `None` is returned if it fails.
+
+    **Returns:**
+
+    `(model_state, mean)`: the last micro-step's state and the mean of the results.
+    """
+    # The first micro-step outside the scan gives the carry its types (including how
+    # each value varies).
+    head = jax.tree.map(lambda x: x[0], micro)
+    model_state, first = one(0, head, model_state)
+    if accept is not None and not accept(first):
+        return None
+    first = jax.tree.map(lambda a: a / k, first)
+    if k == 1:
+        return model_state, first
+
+    def step(carry: Any, xs: Any) -> Any:
+        (model_state, total), (i, micro_batch) = carry, xs
+        model_state, out = one(i, micro_batch, model_state)
+        return (model_state, jax.tree.map(lambda c, a: c + a / k, total, out)), None
+
+    rest = (jnp.arange(1, k), jax.tree.map(lambda x: x[1:], micro))
+    return jax.lax.scan(step, (model_state, first), rest)[0]
+
+
+def data_axes_of(spec_tree: P | PyTree) -> tuple[str, ...]:
+    """The mesh axes a spec or spec tree uses (for a batch: the data axes), in order."""
+    axes: list[str] = []
+    for spec in jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P)):
+        axes += [a for a in spec_axes(spec) if a not in axes]
+    return tuple(axes)
+
+
+def _vary_over(model: PyTree, axes: tuple[str, ...]) -> tuple[PyTree, PyTree | None]:
+    """`model` with each floating array cast to vary over `axes`, and the axes added.
+
+    **Returns:**
+
+    `(varying_model, added)`: `added` holds, per array (`None` elsewhere), the tuple of
+    axes its gradient must be summed over afterwards; `(model, None)` when the
+    varying-axes check is off (nothing is typed, nothing can be deferred).
+    """
+    if not axes or not vma_checked(axes):
+        return model, None
+    arrays, static = eqx.partition(model, eqx.is_inexact_array)
+    added = jax.tree.map(
+        lambda x: tuple(a for a in mesh_ordered(axes) if a not in varying_axes(x)), arrays
+    )
+    varying = jax.tree.map(cast_varying, arrays, added)
+    pending = eqx.combine(added, static, is_leaf=lambda x: isinstance(x, tuple))
+    return eqx.combine(varying, static), pending
+
+
+def _invariant_over(tree: PyTree, axes: tuple[str, ...]) -> bool:
+    """Whether no array of `tree` varies over any of `axes`."""
+    return not any(set(axes) & varying_axes(x) for x in jax.tree.leaves(tree) if eqx.is_array(x))
+
+
+def check_no_mean_grads(model: PyTree) -> None:
+    """Raise if `model` holds an FSDP unit of the local-loss convention (`mean_grads=True`).
+
+    Its gradients are averaged over the FSDP axis: `n` times too small for the global
+    loss this step differentiates.
+    """
+    mean = lambda m: getattr(m, "mean_grads", False) is True  # noqa: E731
+    if any(mean(m) for m in jax.tree.leaves(model, is_leaf=mean)):
+        raise ConventionError(
+            "make_train_step: the model holds an FSDP unit with mean_grads=True (from "
+            "shard_module_params, xLSTM-JAX's local-loss convention), whose gradients are "
+            "averaged over the FSDP axis: n times too small for the global loss this step "
+            "differentiates. Wrap the module with equishard.nn.FSDP (mean_grads=False)."
+        )
+
+
+def check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
+    """Raise if the loss varies over the data axes: a local loss where the global one is due.
+
+    Differentiating each device's own loss would give replicated parameters a gradient
+    summed over the data axes instead of the single-device one.
+    """
+    varying: list[str] = [a for a in data_axes if a in varying_axes(loss)]
+    if varying:
+        names: str | tuple[str, ...] = tuple(varying) if len(varying) > 1 else varying[0]
+        raise ConventionError(
+            f"make_train_step: loss_fn returned a loss that varies over the data axes "
+            f"{names!r}: each device's own loss, not the global one. Return the global "
+            f"loss, the local mean averaged over the data axes "
+            f"(`jax.lax.pmean(loss, {names!r})`), so that the gradients equal the "
+            f"single-device gradients (see the training guide)."
+        )
+
+
+def gradient_specs(model: PyTree) -> PyTree:
+    """The out_specs of the gradients of `model`: the parameters' own specs.
+
+    A parameter without a gradient (an integer array, a non-array) is an empty subtree
+    of the gradients; its entry `P()` is a prefix of nothing.
+    """
+    specs = specs_of(eqx.filter(model, eqx.is_inexact_array))
+    return jax.tree.map(
+        lambda s: P() if s is None else s, specs, is_leaf=lambda x: x is None or is_spec(x)
+    )
+
+
+def _reduce_pending(layout: OptStateSharding, grads: PyTree, pending: PyTree | None) -> PyTree:
+    """Each local gradient summed over its pending data axes, in `layout`'s view."""
+    if pending is None:  # already summed by each micro-step
+        pending = jax.tree.map(lambda g: None, grads)
+    return jax.tree.map(
+        lambda g, axes, like: g if g is None else layout.reduce(
+            g, axes.value if is_sharded(axes) else axes, like
+        ),
+        grads,
+        pending,
+        layout.view(grads),
+        is_leaf=lambda g: g is None or is_sharded(g) or eqx.is_array(g),
+    )
+
+
+def local_gradients(
+    model: PyTree, batch: PyTree, key: PRNGKeyArray, *, adapter: LossAdapter,
+    precision: Precision, layout: OptStateSharding, grad_accum: int, data_axes: tuple[str, ...],
+) -> tuple[Array, dict[str, Any], Array, PyTree]:
+    """Inside `shard_map`: `(loss, metrics, grad_norm, grads)` of this device's batch.
+
+    Each micro-step would all-reduce the gradients of the parameters that are
+    replicated over the data axes. Differentiating a copy cast to vary over them
+    instead leaves each device's gradient unreduced; they are summed once, after the
+    last micro-step (k times fewer bytes), or under ZeRO reduce-scattered once. That is
+    exact whenever the loss is one global value (invariant over the data axes): the
+    gradient of a function of n equal copies is the sum of the partial gradients.
+    """
+    check_no_mean_grads(model)
+    # int32[B/data]: where this device's examples sit in the global batch.
+    index = adapter.local_index(jax.tree.leaves(batch)[0].shape[0])
+    if grad_accum == 1 and not layout.reduces_gradients:
+        _, (loss, metrics, grads) = value_and_grad(adapter, precision, model, batch, key, index)
+    else:
+        # [B_local, ...] -> [k, B_local/k, ...]
+        micro = split_microbatches((batch, index), grad_accum, what="make_train_step", name="grad_accum")
+
+        def accumulated(model: PyTree) -> Any:
+            def one(i: Any, part: Any, model_state: Any) -> Any:
+                part_batch, part_index = part
+                part_key = adapter.micro_key(key, i)
+                return value_and_grad(adapter, precision, model, part_batch, part_key, part_index, model_state)
+
+            accept = lambda out: _invariant_over((out[0], out[1]), data_axes)  # noqa: E731
+            return accumulate(one, micro, grad_accum, accept=accept)
+
+        varying, pending = _vary_over(model, data_axes)
+        result = accumulated(varying)
+        if result is None:  # the loss varies with the copies: reduce every micro-step
+            result = accumulated(model)
+            pending = None
+        _, (loss, metrics, grads) = result
+        grads = _reduce_pending(layout, grads, pending)
+    check_global_loss(loss, data_axes)
+    return loss, metrics, global_norm(grads), grads
+
+
+def global_gradients(
+    model: PyTree, batch: PyTree, key: PRNGKeyArray, *, adapter: LossAdapter,
+    precision: Precision, grad_accum: int, mesh: Mesh, batch_spec: P | PyTree,
+    data_axes: tuple[str, ...],
+) -> tuple[Array, dict[str, Any], Array, PyTree]:
+    """Under `jit`, on the global arrays: `(loss, metrics, grad_norm, grads)`."""
+    batch = shard(batch, mesh, batch_spec)
+    index = jnp.arange(jax.tree.leaves(batch)[0].shape[0], dtype=jnp.int32)  # int32[B]
+    if grad_accum == 1:
+        _, (loss, metrics, grads) = value_and_grad(adapter, precision, model, batch, key, index)
+    else:
+        # [B, ...] -> [k, B/k, ...], micro-batch m taking the m-th slice of every data
+        # shard's rows (as the local view does).
+        shards = math.prod(mesh.shape[a] for a in data_axes)
+        hint = "the global batch must be divisible by the data shards times {name}."
+        micro = split_microbatches(
+            (batch, index), grad_accum, what="make_train_step", name="grad_accum", shards=shards, hint=hint
+        )
+
+        def one(i: Any, part: Any, model_state: Any) -> Any:
+            part_batch, part_index = part
+            part_key = adapter.micro_key(key, i)
+            return value_and_grad(adapter, precision, model, part_batch, part_key, part_index, model_state)
+
+        _, (loss, metrics, grads) = accumulate(one, micro, grad_accum)  # type: ignore[misc]
+    squares = (
+        jnp.sum(jnp.square(g.astype(jnp.float32)))
+        for g in jax.tree.leaves(grads)
+        if eqx.is_inexact_array(g)
+    )
+    return loss, metrics, jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))), grads
