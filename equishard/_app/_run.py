@@ -782,13 +782,7 @@ def _train(
             phases.seconds["train"] += seconds
             loss = values["loss"]
             skipped_in_a_row = skipped_in_a_row + 1 if values["skipped"] else 0
-            row = {"step": step + 1, **values, "lr": rates(step), "step_time": seconds}
-            row["tokens"] = throughput.tokens_per_step * (step + 1)
-            row.update(throughput.rates(1, seconds))
-            memory = peak_memory_bytes()
-            if memory is not None:
-                row["peak_memory_bytes"] = memory
-            row["time"] = time.time()
+            row = _step_row(step, values, rates(step), seconds, throughput)
             out.write(row)
             rows.append(row)
             if board is not None:
@@ -810,13 +804,7 @@ def _train(
                 raise TrainingError(_too_many_skipped(step + 1, skipped_in_a_row, metrics, ckpt))
             ckpt.poll()  # a checkpoint write that failed in the background stops the run
             if bar is not None:
-                postfix = {"loss": f"{loss:.3f}"}
-                if val_loss is not None:
-                    postfix["val"] = f"{val_loss:.3f}"
-                if throughput.steps:
-                    postfix["tok_s"] = f"{throughput.total()['tokens_per_s']:,.0f}"
-                bar.set_postfix(postfix)
-                bar.update(1)
+                _advance(bar, loss, val_loss, throughput)
             if (step + 1) % config.checkpoint_every == 0:
                 phases.timed("checkpoint", lambda: ckpt.save(step + 1, state))
             if stop.stop():
@@ -833,6 +821,42 @@ def _train(
     phases.timed("checkpoint", final_checkpoint)
     if int(state.step) < config.steps:  # stopped by a signal, its step saved
         return _stopped(config, int(state.step), ckpt, stop, print_fn, run_dir)
+    return _finish(r, state, rows, phases, throughput, (loss, val_loss), start, clock, print_fn, run_dir)
+
+
+def _step_row(step: int, values: dict[str, Any], lr: float, seconds: float, throughput: Throughput) -> dict[str, Any]:
+    """The `metrics.jsonl` row of step `step + 1`."""
+    row = {"step": step + 1, **values, "lr": lr, "step_time": seconds}
+    row["tokens"] = throughput.tokens_per_step * (step + 1)
+    row.update(throughput.rates(1, seconds))
+    memory = peak_memory_bytes()
+    if memory is not None:
+        row["peak_memory_bytes"] = memory
+    row["time"] = time.time()
+    return row
+
+
+def _advance(bar: Any, loss: float, val_loss: float | None, throughput: Throughput) -> None:
+    """One step more on the progress bar, with the latest losses and tokens/s."""
+    postfix = {"loss": f"{loss:.3f}"}
+    if val_loss is not None:
+        postfix["val"] = f"{val_loss:.3f}"
+    if throughput.steps:
+        postfix["tok_s"] = f"{throughput.total()['tokens_per_s']:,.0f}"
+    bar.set_postfix(postfix)
+    bar.update(1)
+
+
+def _finish(
+    r: Run, state: TrainState, rows: list[dict[str, Any]], phases: Any, throughput: Throughput,
+    losses: tuple[float | None, float | None], start: float, clock: Clock,
+    print_fn: Callable[[str], None], run_dir: pathlib.Path,
+) -> dict[str, Any]:  # fmt: skip
+    """After the last step: the plot, the exported model, a sample, the summary lines."""
+    config = r.config
+    coordinator = is_coordinator()
+    metrics_path = run_dir / METRICS_FILE
+    loss, val_loss = losses
     if config.plot and coordinator:
         title = f"{config.model} GPT, layout {config.layout}, {config.dtype}"
         phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png", title))
