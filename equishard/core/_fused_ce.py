@@ -30,13 +30,15 @@ from .._axes import (
 )
 from .._errors import LayerConfigError
 
-CHUNK_ELEMENTS = 2**28
-"""The default budget of one chunk's logits, in elements (1 GiB in float32): the chunk
+CHUNK_ELEMENTS = 2**27
+"""The default budget of one chunk's logits, in elements (512 MiB in float32): the chunk
 holds `CHUNK_ELEMENTS // (V/n)` tokens rounded down to a power of two (at least 8), so
 that it divides the usual token counts. On an H100 the 124 M GPT (V = 50304) ran its bf16
-step at 16 x 1024 tokens 1.30x faster with 4096-token chunks (this budget's) than with
-256-token ones (2²⁴'s): every chunk reads and writes the float32 weight gradient once.
-The peak memory was 7.1 GiB against 6.4 (`benchmarks/RESULTS.md`)."""
+step at 16 x 1024 tokens 1.30x faster with 4096-token chunks than with 256-token ones
+(2²⁴'s): every chunk reads and writes the float32 weight gradient once. 2048-token
+chunks (this budget's) ran as fast as 4096 (439,990 against 439,122 tokens/s) at a peak
+of 6.7 GiB against 7.1 (`benchmarks/RESULTS.md`), and no chunk is then larger than an
+eighth of the logits at 16 x 1024."""
 
 
 class CrossEntropySums(NamedTuple):
@@ -234,7 +236,7 @@ def fused_linear_cross_entropy(
     - `weight`: the output weight `[V/n, D]` (this device's rows; `[V, D]` unsplit).
     - `labels`: the target ids `[...]` (global ids), replicated over the axis.
     - `axis_name`: the mesh axis (or axes) the vocabulary is split over, or `None`.
-    - `chunk_size`: tokens per chunk (default: at most 2²⁸ logits per chunk, see
+    - `chunk_size`: tokens per chunk (default: at most 2²⁷ logits per chunk, see
       `CHUNK_ELEMENTS`; at most the number of tokens); the last chunk is padded.
     - `ignore_index`: a label whose tokens count for nothing (no loss, no gradient, not
       in `tokens`).

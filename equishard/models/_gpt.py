@@ -99,8 +99,8 @@ class GPTConfig:
       (`equishard.nn.fused_cross_entropy`: no `[tokens, V]` logits, softmax or gradient
       formed whole); `False`: form the logits, then `vocab_parallel_cross_entropy`.
       The same values and gradients either way.
-    - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁸ logits
-      per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 4096 tokens
+    - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁷ logits
+      per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 2048 tokens
       at a vocabulary of 50304).
     """
 
