@@ -90,6 +90,10 @@ VARIANTS: dict[str, Variant] = {
     "ce-chunk-1k": Variant(
         gpt={"loss_chunk_size": 1024}, prediction="16 loss chunks of 1024 tokens: fewer iterations, +0.2 GiB"
     ),
+    "ce-chunk-2k": Variant(
+        gpt={"loss_chunk_size": 2048},
+        prediction="8 loss chunks of 2048 tokens (B*T*V/8 at 16x1024): -0.4 GiB, within 2 % of 4096",
+    ),
     "ce-chunk-4k": Variant(
         gpt={"loss_chunk_size": 4096}, prediction="4 loss chunks of 4096 tokens: fewer iterations, +0.8 GiB"
     ),
@@ -149,7 +153,8 @@ def _equishard_step(make_model: Any, loss: Any, device: Any) -> tuple[Any, Any, 
     opt = _optimizer()
     state = init_train_state(make_model, opt, jax.random.key(0), mesh=mesh)
     step = make_train_step(
-        loss, opt, mesh=mesh, batch_spec=layout.batch_spec(1), clip_norm=1.0, donate=True
+        loss, opt, mesh=mesh, batch_spec=layout.batch_spec(1), clip_norm=1.0, donate=True,
+        compute_dtype=jax.numpy.bfloat16,
     )
     arrays, static = eqx.partition(state, eqx.is_array)
 
@@ -208,7 +213,7 @@ def _gpt_parts(config: str, variant: Variant) -> tuple[Any, Any, Any, Any]:
     cfg = _gpt_config(config, variant)
     par = Layout("dp=1").parallelism(1)
     make = lambda key: GPT(cfg, par, key=key)  # noqa: E731
-    es_loss = lambda model, batch, key: cast_floating(model, jnp.bfloat16).loss(batch, key)  # noqa: E731
+    es_loss = lambda model, batch, key: model.loss(batch, key)  # noqa: E731  (bf16: compute_dtype)
     plain_of = lambda model: to_single_device(jax.device_get(model))  # noqa: E731
     plain_loss = lambda model, batch: cast_floating(model, jnp.bfloat16).loss(batch)[0]  # noqa: E731
     return make, es_loss, plain_of, plain_loss

@@ -150,6 +150,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--sample-bytes", type=int, default=d.sample_bytes, help="bytes of text to generate at the end (0: none)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss-curve PNG")
+    p.add_argument("--profile", default=None, metavar="START:STOP", help="write a jax.profiler trace of steps START to STOP - 1 into <run-dir>/profile (TensorBoard's profile plugin and Perfetto read it), e.g. 10:15")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no TensorBoard events (<run-dir>/tensorboard, written with tensorboardX)")
     p.set_defaults(run=_train)
     return p

@@ -1,19 +1,25 @@
-"""The lean train step: the layer scan's unrolling and the GPU benchmark's CPU path."""
+"""The lean train step: the layer scan's unrolling, mixed precision as a step option, and
+the GPU benchmark's CPU path."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import pathlib
+import re
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from equishard import LayerConfigError
-from equishard.models import GPT, GPTConfig
-from equishard.sharding import Parallelism
+from equishard.models import GPT, GPTConfig, cast_floating
+from equishard.sharding import Layout, Parallelism
+from equishard.train import init_train_state, make_train_step
 
 from .helpers import assert_tree_allclose
 
@@ -67,3 +73,91 @@ def test_the_gpu_benchmark_runs_its_path_on_the_cpu(capsys):
     assert gpt["es_over_plain_time"] > 0
     table = bench.format_table([dict(gpt, framework="jax"), {"config": "x", "error": "not measured"}])
     assert table.count("\n") == 3 and "not measured" in table
+
+
+# Mixed precision as a step option ------------------------------------------------------
+
+MP = GPTConfig(d_model=64, n_heads=8, n_layers=2, d_ff=128)
+
+
+def _gpt_step(spec, **options):
+    layout = Layout(spec)
+    mesh = layout.mesh()
+    optimizer = optax.adamw(3e-3)
+    state = init_train_state(
+        lambda k: GPT(MP, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh
+    )
+    loss_fn = options.pop("loss_fn", lambda model, batch, key: model.loss(batch, key))
+    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), **options)
+    return state, step
+
+
+def _collective_dtypes(text):
+    """`{(collective, operand dtype): count}` of a lowered step's StableHLO."""
+    counts = collections.Counter()
+    for match in re.finditer(r'"stablehlo\.(all_gather|reduce_scatter|all_reduce)"', text):
+        operand = re.compile(r"\) : \(tensor<(?:[0-9]+x)*(\w+)>").search(text, match.end())
+        assert operand is not None
+        counts[(match.group(1), operand.group(1))] += 1
+    return counts
+
+
+def test_compute_dtype_equals_the_cast_written_into_the_loss_on_one_device():
+    batch = jax.numpy.asarray(np.random.default_rng(0).integers(0, MP.vocab_size, (8, 17), dtype=np.int32))
+    cast = lambda model, batch, key: cast_floating(model, jnp.bfloat16).loss(batch, key)  # noqa: E731
+    results = []
+    for options in ({"loss_fn": cast}, {"compute_dtype": jnp.bfloat16}):
+        state, step = _gpt_step("dp=1", **options)
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        results.append((metrics["loss"], state.model, state.opt_state))
+    assert_tree_allclose(results[0], results[1], rtol=0.0)
+    floats = [x for x in jax.tree.leaves(results[1]) if eqx.is_inexact_array(x)]
+    assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+
+
+def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_float32():
+    """dp=4,fsdp=2 (FSDP's gathers and reduce-scatters, the data axes' all-reduce): the
+    shards gathered in bf16, every gradient reduced in f32 by default and in bf16 when
+    asked; the master weights and moments stay f32."""
+    batch = jax.ShapeDtypeStruct((16, 33), jnp.int32)
+    state, step = _gpt_step("dp=4,fsdp=2", compute_dtype=jnp.bfloat16)
+    default = _collective_dtypes(step.lower(state, batch).as_text())
+    state, step = _gpt_step("dp=4,fsdp=2", compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+    reduced = _collective_dtypes(step.lower(state, batch).as_text())
+    gathers = {k: n for k, n in default.items() if k[0] == "all_gather" and k[1] != "i32"}
+    assert gathers and set(gathers) == {("all_gather", "bf16")}
+    assert default[("reduce_scatter", "f32")] > 0 and not default[("reduce_scatter", "bf16")]
+    # Every all-reduce of an array is in f32 (bf16 ones would be gradients reduced after
+    # the cast); the scalars (loss, norms) are f32 too.
+    assert not default[("all_reduce", "bf16")]
+    assert reduced[("reduce_scatter", "bf16")] == default[("reduce_scatter", "f32")]
+    assert reduced[("all_reduce", "bf16")] > 0
+
+
+def test_mixed_precision_on_a_layout_follows_one_device():
+    """fsdp=4,tp=2 with compute_dtype bf16 against one device with the same option: the
+    losses of 3 steps within bf16's tolerance."""
+    batch = jax.numpy.asarray(np.random.default_rng(1).integers(0, MP.vocab_size, (8, 17), dtype=np.int32))
+    curves = []
+    for spec in ("dp=1", "fsdp=4,tp=2"):
+        state, step = _gpt_step(spec, compute_dtype=jnp.bfloat16)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        curves.append(losses)
+    np.testing.assert_allclose(curves[1], curves[0], rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"compute_dtype": jnp.int32}, "compute_dtype must be a floating dtype"),
+        ({"compute_dtype": "bfloat17"}, "compute_dtype must be a floating dtype"),
+        ({"reduce_dtype": jnp.float32}, "set compute_dtype too"),
+    ],
+)
+def test_a_bad_precision_option_is_refused(options, match):
+    with pytest.raises(LayerConfigError, match=match):
+        _gpt_step("dp=1", **options)

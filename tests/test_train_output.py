@@ -13,7 +13,9 @@ import struct
 
 import pytest
 
+from equishard import LayerConfigError
 from equishard._app import TrainConfig, run
+from equishard._app._run import check_options
 from equishard._cli import main
 from equishard.models import PRESETS
 from equishard.report import DeviceProfile, device_profile, gpt_flops_per_token
@@ -24,6 +26,7 @@ PROFILE = DeviceProfile("test", "a test device", {"float32": PEAK}, 2.0**30, 1e9
 TINY = TrainConfig(
     model="tiny", layout="dp=2,fsdp=2,tp=2", steps=4, batch_size=8, seq_len=32,
     eval_every=2, checkpoint_every=2, log_every=2, sample_bytes=0, progress=False, plot=False,
+    profile="1:3",
 )  # fmt: skip
 
 
@@ -239,3 +242,21 @@ def test_tensorboard_events_hold_the_step_log(tiny_run):
     assert _scalars(events, "val/loss") == val
     texts = [v.tensor.string_val[0].decode() for e in events for v in e.summary.value if v.tag.startswith("config")]
     assert texts and 'layout = "dp=2,fsdp=2,tp=2"' in texts[0]
+
+
+def test_profile_writes_a_trace_of_the_steps_asked_for(tiny_run):
+    """`--profile 1:3` leaves one `jax.profiler` trace in the run directory's profile/
+    (the XPlane TensorBoard's profile plugin reads and the trace Perfetto opens)."""
+    *_, run_dir = tiny_run
+    traces = list((run_dir / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("3", "must be START:STOP"), ("a:b", "must be START:STOP"), ("3:3", "START < STOP <= --steps"),
+     ("2:9", r"START < STOP <= --steps \(4\)")],
+)  # fmt: skip
+def test_a_bad_profile_range_is_refused_before_anything_runs(text, match):
+    with pytest.raises(LayerConfigError, match=match):
+        check_options(dataclasses.replace(TINY, profile=text))

@@ -67,6 +67,7 @@ class TrainConfig:
     progress: bool = True
     plot: bool = True
     tensorboard: bool = True
+    profile: str | None = None
 
 
 CONFIG_FILE = "config.toml"
@@ -78,7 +79,7 @@ _NEUTRAL = {
     "run_dir", "checkpoint_dir", "resume", "resume_step", "progress", "plot", "log_every",
     "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "sample_bytes",
     "verify_checkpoints", "tensorboard", "max_skipped_steps", "remat", "remat_offload",
-    "batch_chunks", "overwrite", "require_verified",
+    "batch_chunks", "overwrite", "require_verified", "profile",
 }  # fmt: skip
 # Options that change how the same computation is laid out on the devices.
 _LAYOUT = ("layout", "sequence_parallel", "microbatches", "pipeline_repeats", "pipeline_schedule", "zero")

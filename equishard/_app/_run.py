@@ -59,6 +59,7 @@ from ._log import (
     time_summary,
 )
 from ._metrics import METRICS_FILE, MetricsLog, read_metrics
+from ._profile import StepProfiler, profile_steps
 from ._rundir import claim, write_atomically
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ def check_options(config: TrainConfig) -> None:
     remat_policy(config.remat, offload=config.remat_offload)  # an unknown name, or offload on the CPU
     if config.dtype not in DTYPES:
         raise LayerConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}.")
+    profile_steps(config.profile, config.steps)
     at_least_one = (
         "steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "eval_every",
         "eval_batches", "log_every", "keep_checkpoints", "max_skipped_steps", "batch_chunks",
@@ -260,15 +262,11 @@ class Run:
         self.batch_spec = self.layout.batch_spec(len(devices))
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
         compute = DTYPES[config.dtype]
-
-        def loss_fn(model: GPT, batch: Any, key: Any) -> Any:
-            if compute != jnp.float32:
-                model = cast_floating(model, compute)
-            return model.loss(batch, key)
-
-        self.loss_fn = loss_fn
+        self.loss_fn = lambda model, batch, key: model.loss(batch, key)
+        # Mixed precision by the step (float32 master weights and optimizer state, FSDP
+        # gathering in the compute dtype and reducing gradients in float32).
         self.train_step = make_train_step(
-            loss_fn,
+            self.loss_fn,
             self.optimizer,
             mesh=self.mesh,
             batch_spec=self.batch_spec,
@@ -276,10 +274,11 @@ class Run:
             clip_norm=config.clip_norm,
             zero=self.zero,
             zero_min_weight_size=self.parallelism.fsdp_min_weight_size,
+            compute_dtype=None if compute == jnp.float32 else compute,
         )
         self.eval_loss = eqx.filter_jit(
             filter_shard_map(
-                lambda model, batch: loss_fn(model, batch, None)[1]["cross_entropy"],
+                lambda model, batch: cast_floating(model, compute).loss(batch, None)[1]["cross_entropy"],
                 mesh=self.mesh,
                 in_specs=(None, self.batch_spec),
                 out_specs=P(),
@@ -766,15 +765,17 @@ def _train(
                 print_fn(line)
 
     out = MetricsLog(metrics_path if coordinator else None, log.resumed_from)
-    stop = _StopSignals()
-    with out, stop:
+    stop, profiler = _StopSignals(), StepProfiler(profile_steps(config.profile, config.steps), run_dir)
+    with out, stop, profiler:
         for step in range(first, config.steps):
             began = clock()
             batch = r.batch(corpus.train, int(state.data_position))
             # A skipped step (non-finite loss, gradients or update) is not applied but
             # consumes its batch: the step count and data position advance, and so does
             # a resumed run, from the same saved position.
+            profiler.before(step)
             state, metrics = step_fn(state, batch)
+            profiler.after(step, metrics)
             values = {k: float(v) for k, v in metrics.items()}  # waits for the step
             seconds = clock() - began
             throughput.add(seconds)

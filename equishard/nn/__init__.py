@@ -11,6 +11,7 @@ from ._fsdp import (
     shard_module_params as shard_module_params,
 )
 from ._fsdp_gather import (
+    fsdp_dtypes as fsdp_dtypes,
     fsdp_gather_params as fsdp_gather_params,
     gather_params as gather_params,
 )

@@ -5,6 +5,9 @@ local-loss convention).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -30,6 +33,47 @@ from ..sharding import (
 def _check_dtype(name: str, dtype: Any) -> None:
     if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise LayerConfigError(f"{name} must be a floating dtype or None, got {dtype!r}.")
+
+
+_DTYPES: contextvars.ContextVar[tuple[Any, Any]] = contextvars.ContextVar(
+    "equishard_fsdp_dtypes", default=(None, None)
+)
+
+
+@contextlib.contextmanager
+def fsdp_dtypes(gather_dtype: Any = None, grad_scatter_dtype: Any = None) -> Iterator[None]:
+    """The FSDP gathers' dtypes for what is traced inside this context.
+
+    A mixed-precision policy, as torch FSDP2's `MixedPrecisionPolicy(param_dtype,
+    reduce_dtype)`: every FSDP gather traced inside (`FSDP` units, `fsdp_gather_params`)
+    whose own `gather_dtype` or `grad_scatter_dtype` is `None` uses these — the float32
+    shards cast to `gather_dtype` before the all-gather (half the bytes in bfloat16),
+    their gradients reduce-scattered in `grad_scatter_dtype` and kept in the shards'
+    dtype. `make_train_step(compute_dtype=...)` traces its loss inside one (see the
+    training guide's "Mixed precision").
+
+    **Arguments:**
+
+    - `gather_dtype`: the dtype to gather in; `None` keeps each array's dtype.
+    - `grad_scatter_dtype`: the dtype of the gradients' reduce-scatter; `None` the
+      gathered dtype.
+    """
+    _check_dtype("gather_dtype", gather_dtype)
+    _check_dtype("grad_scatter_dtype", grad_scatter_dtype)
+    token = _DTYPES.set((gather_dtype, grad_scatter_dtype))
+    try:
+        yield
+    finally:
+        _DTYPES.reset(token)
+
+
+def resolve_dtypes(gather_dtype: Any, grad_scatter_dtype: Any) -> tuple[Any, Any]:
+    """A gather's own dtypes, each `None` filled from the enclosing `fsdp_dtypes`."""
+    default_gather, default_scatter = _DTYPES.get()
+    return (
+        default_gather if gather_dtype is None else gather_dtype,
+        default_scatter if grad_scatter_dtype is None else grad_scatter_dtype,
+    )
 
 
 def _split_entry(spec: P, axes: tuple[str, ...]) -> tuple[int, Any] | None:
@@ -65,9 +109,9 @@ def fsdp_gather_params(
       entry for some dimension ends with these axes (`"fsdp"` in `P(("tp", "fsdp"))`:
       the minor axes, whose blocks are contiguous); that entry keeps the others.
     - `gather_dtype`: the dtype to gather in (e.g. `jnp.bfloat16` for mixed precision);
-      `None` keeps each array's dtype.
-    - `grad_scatter_dtype`: the dtype of the gradient reduce-scatter; `None` uses each
-      parameter's dtype.
+      `None`: the enclosing `fsdp_dtypes`' (none: each array's dtype).
+    - `grad_scatter_dtype`: the dtype of the gradient reduce-scatter; `None`: the
+      enclosing `fsdp_dtypes`' (none: the gathered dtype).
     - `mean_grads`: `False` (default) for equishard's convention (the function
       differentiated returns the global loss; gradients are summed). `True` for the
       local-loss convention: `gather_array_with_mean_grads`, gradients averaged (with
@@ -84,6 +128,7 @@ def fsdp_gather_params(
     """
     _check_dtype("gather_dtype", gather_dtype)
     _check_dtype("grad_scatter_dtype", grad_scatter_dtype)
+    gather_dtype, grad_scatter_dtype = resolve_dtypes(gather_dtype, grad_scatter_dtype)
     gather = gather_array_with_mean_grads if mean_grads else gather_array
 
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

@@ -68,7 +68,8 @@ def value_and_grad(
         return adapter(precision.compute(model), batch, key, index, model_state)
 
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
-    (value, (metrics, model_state)), grads = grad_fn(model, batch, key, index)
+    with precision.context():
+        (value, (metrics, model_state)), grads = grad_fn(model, batch, key, index)
     return model_state, (value, metrics, precision.gradients(grads))
 
 
@@ -192,14 +193,25 @@ def gradient_specs(model: PyTree) -> PyTree:
     )
 
 
-def _reduce_pending(layout: OptStateSharding, grads: PyTree, pending: PyTree | None) -> PyTree:
-    """Each local gradient summed over its pending data axes, in `layout`'s view."""
+def _reduce_pending(
+    layout: OptStateSharding, grads: PyTree, pending: PyTree | None, dtype: Any = None
+) -> PyTree:
+    """Each local gradient summed over its pending data axes, in `layout`'s view, in
+    `dtype` (`None`: the gradient's own)."""
     if pending is None:  # already summed by each micro-step
         pending = jax.tree.map(lambda g: None, grads)
+
+    def reduce(g: Any, axes: Any, like: Any) -> Any:
+        axes = axes.value if is_sharded(axes) else axes
+        value = g.value if is_sharded(g) else g
+        if not axes or dtype is None or value.dtype == dtype:
+            return layout.reduce(g, axes, like)
+        cast = lambda v, d: g.with_value(v.astype(d)) if is_sharded(g) else v.astype(d)  # noqa: E731
+        out = layout.reduce(cast(value, dtype), axes, like)
+        return out.with_value(out.value.astype(value.dtype)) if is_sharded(out) else out.astype(value.dtype)
+
     return jax.tree.map(
-        lambda g, axes, like: g if g is None else layout.reduce(
-            g, axes.value if is_sharded(axes) else axes, like
-        ),
+        lambda g, axes, like: g if g is None else reduce(g, axes, like),
         grads,
         pending,
         layout.view(grads),
@@ -223,7 +235,9 @@ def local_gradients(
     check_no_mean_grads(model)
     # int32[B/data]: where this device's examples sit in the global batch.
     index = adapter.local_index(jax.tree.leaves(batch)[0].shape[0])
-    if grad_accum == 1 and not layout.reduces_gradients:
+    # Under mixed precision the replicated parameters' gradients are summed after the
+    # cast's transpose, in `reduce_dtype`: the deferred route, even for one micro-step.
+    if grad_accum == 1 and not layout.reduces_gradients and precision.reduce_dtype is None:
         _, (loss, metrics, grads) = value_and_grad(adapter, precision, model, batch, key, index)
     else:
         # [B_local, ...] -> [k, B_local/k, ...]
@@ -244,7 +258,7 @@ def local_gradients(
             result = accumulated(model)
             pending = None
         _, (loss, metrics, grads) = result
-        grads = _reduce_pending(layout, grads, pending)
+        grads = _reduce_pending(layout, grads, pending, precision.reduce_dtype)
     check_global_loss(loss, data_axes)
     return loss, metrics, global_norm(grads), grads
 

@@ -41,7 +41,7 @@ from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, ZeroAxes
 from ._gradients import data_axes_of, global_gradients, gradient_specs, local_gradients
 from ._loss import LossAdapter, LossFn, describe
 from ._opt_sharding import OptStateSharding, opt_state_sharding
-from ._precision import FULL_PRECISION, Precision
+from ._precision import Precision, precision_of
 from ._state import TrainState
 from ._update import all_finite, clip, guarded_update, traced_once
 
@@ -335,6 +335,9 @@ def make_train_step(
     view: str = "local",
     zero: ZeroAxes | None = None,
     zero_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
+    compute_dtype: Any = None,
+    gather_dtype: Any = None,
+    reduce_dtype: Any = None,
     compiler_options: dict[str, Any] | None = None,
 ) -> TrainStep:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
@@ -394,6 +397,15 @@ def make_train_step(
       training guide.
     - `zero_min_weight_size`: with `zero`, the arrays of fewer elements that stay
       replicated (as in `init_train_state`).
+    - `compute_dtype`: mixed precision (e.g. `jnp.bfloat16`): the loss function sees
+      the model with its floating arrays cast to this dtype inside the differentiated
+      function, so the parameters (the master weights), their gradients and the
+      optimizer state stay in their own dtype (float32); `None` (default): no cast.
+      See the training guide's "Mixed precision".
+    - `gather_dtype`: with `compute_dtype`, the dtype FSDP gathers its shards in
+      (`None`: `compute_dtype`; an `FSDP` unit's own `gather_dtype` takes precedence).
+    - `reduce_dtype`: with `compute_dtype`, the dtype gradients are reduced in, FSDP's
+      reduce-scatters and the data axes' all-reduce (`None`: float32, as torch FSDP2).
     - `compiler_options`: XLA options for this step's program only, as `jax.jit`'s
       (e.g. `{"xla_backend_optimization_level": 0}`, which on XLA:CPU compiles a step
       with dropout several times faster and runs it more slowly); `None`: XLA's
@@ -413,7 +425,7 @@ def make_train_step(
     **Raises:**
 
     `LayerConfigError` for an option that cannot work (`grad_accum < 1`, an unknown
-    `view`, `zero` axes not on the mesh); `TrainStepError` for `clip_norm <= 0` and,
+    `view`, `zero` axes not on the mesh, a dtype that is not floating); `TrainStepError` for `clip_norm <= 0` and,
     when the step is called or compiled, for what breaks its contract: a loss function
     that does not return a floating scalar and a dict of metrics, an optimizer whose
     state changes structure or dtype in its update, a state donated already or laid out
@@ -421,8 +433,10 @@ def make_train_step(
     """
     _check_options(grad_accum, view, mesh, clip_norm)
     layout = opt_state_sharding(zero, mesh, zero_min_weight_size, "make_train_step")
+    data_axes = data_axes_of(batch_spec) if view == "local" else ()
+    precision = precision_of(compute_dtype, gather_dtype, reduce_dtype, data_axes)
     parts = _Parts(
-        loss_fn, optimizer, mesh, batch_spec, grad_accum, clip_norm, view, layout, FULL_PRECISION
+        loss_fn, optimizer, mesh, batch_spec, grad_accum, clip_norm, view, layout, precision
     )
     # `jax.jit` over the arrays, the rest static, rather than `eqx.filter_jit`: the
     # latter waits for each call to finish (to surface Equinox runtime errors), which
