@@ -96,7 +96,8 @@ def _collective_dtypes(text):
     """`{(collective, operand dtype): count}` of a lowered step's StableHLO."""
     counts = collections.Counter()
     for match in re.finditer(r'"stablehlo\.(all_gather|reduce_scatter|all_reduce)"', text):
-        operand = re.compile(r"\) : \(tensor<(?:[0-9]+x)*(\w+)>").search(text, match.end())
+        # The operand types follow the op's attributes (`}> : (`) or its region (`}) : (`).
+        operand = re.compile(r"[)>] : \(tensor<(?:[0-9]+x)*(\w+)>").search(text, match.end())
         assert operand is not None
         counts[(match.group(1), operand.group(1))] += 1
     return counts
