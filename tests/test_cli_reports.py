@@ -11,8 +11,8 @@ from equishard import __version__
 from equishard._cli import main
 from equishard._cli_report import WIDTH, gpt_step_estimate, step_time_estimate
 from equishard._text import text_table
-from equishard.models import PRESETS, GPTConfig
-from equishard.report import DEVICE_PROFILES, DeviceProfile, gpt_matmul_parameters
+from equishard.models import PRESETS, GPTConfig, gpt_matmul_parameters
+from equishard.report import DEVICE_PROFILES, DeviceProfile
 
 PLAN = ["plan", "--model", "tiny", "--layout", "fsdp=4,tp=2", "--devices", "8", "--seq-len", "32"]
 
