@@ -26,7 +26,7 @@ block), float32, AdamW with global-norm clipping at 1.0. For each layout:
 The two are timed interleaved (a, b, a, b, ...) after a warm-up; the tables give the
 median step time, the collective bytes each device sends per step (read from each
 compiled program by `equishard.report.read_collectives`, loop trip counts applied), the
-analytical minimum of equishard's algorithm (`equishard.report.gpt_minimum`), the
+analytical minimum of equishard's algorithm (`equishard.models.gpt_minimum`), the
 compiler's per-device memory (`memory_analysis`) and compile times.
 
 Also: trace + compile time of equishard's step against depth (4, 16, 48 layers, each
@@ -302,7 +302,8 @@ def _memory(compiled: Any) -> dict[str, int]:
 def bench_layout(spec: str, moe: bool, options: dict[str, Any], repeats: int) -> dict[str, Any]:
     import numpy as np
 
-    from equishard.report import gpt_minimum, report
+    from equishard.models import gpt_minimum
+    from equishard.report import report
     from equishard.sharding import Layout, param_table
 
     config = _config(moe)
@@ -359,7 +360,7 @@ def bench_layout(spec: str, moe: bool, options: dict[str, Any], repeats: int) ->
 
 def bench_depth() -> dict[str, Any]:
     """Trace + compile time of equishard's step at 4, 16 and 48 layers (best of three)."""
-    from equishard.report import abstract_train_step
+    from equishard.models import abstract_train_step
     from equishard.sharding import Layout
 
     best: dict[int, dict[str, float]] = {}
@@ -501,7 +502,7 @@ def markdown(layouts: list[dict[str, Any]], depth: dict[str, Any], single: dict[
         "",
         "Bytes: what each device sends per step under ring algorithms, read from the compiled "
         "programs. Minimum: the analytical minimum of equishard's algorithm "
-        "(`equishard.report.gpt_minimum`); ideal: the textbook figure (no pipeline bubble).",
+        "(`equishard.models.gpt_minimum`); ideal: the textbook figure (no pipeline bubble).",
         "",
         "| layout | equishard ms | GSPMD ms | GSPMD / equishard | equishard MiB | GSPMD MiB | minimum MiB | equishard / minimum | equishard / ideal |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -839,7 +840,7 @@ estimate's blockwise scores; the earlier figures, 448.16 GiB and 419.28 GiB peak
 after 72.7 s and 42.4 s of compiling, came from the blockwise kernel's loops being
 scans: inside the layers' scan JAX's partial evaluation hoisted every block pair's
 mask out of it, `O(S^2)` per layer. The kernel's loops are while loops now.) The
-analytical estimate (`equishard.report.gpt_memory`) counts one block of scores per
+analytical estimate (`equishard.models.gpt_memory`) counts one block of scores per
 sequence, as the blockwise kernel holds; it was 565 GiB when it counted the whole
 `[t, S]` score matrix. The minimum does not yet count full remat's second forward ring."""
 

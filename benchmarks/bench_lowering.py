@@ -5,7 +5,7 @@
 Both versions run in one process, alternating, so machine load affects them alike: the
 older commit's `equishard/` is extracted with `git archive` into a temporary directory
 under the name `equishard_baseline` (the package imports itself relatively, so the copy
-is a second, independent package). For each, `equishard.report.abstract_train_step`
+is a second, independent package). For each, `equishard.models.abstract_train_step`
 builds the train step of the `base` preset on `fsdp=4,tp=2` (batch 16 x 256, AdamW,
 clipping at 1.0) from abstract arrays, then traces and lowers it to StableHLO (no XLA
 compilation). Reported per phase (the state's `eval_shape`; `make_train_step` and the
@@ -74,7 +74,7 @@ def lower_once(package: str) -> dict[str, float]:
 
     models = importlib.import_module(f"{package}.models")
     train = importlib.import_module(f"{package}.train")
-    report = importlib.import_module(f"{package}.report._gpt")
+    report = importlib.import_module(f"{package}.report")
     sharding = importlib.import_module(f"{package}.sharding")
     # `Layout` moved from `train` to `sharding` in the redesign.
     layout = (getattr(sharding, "Layout", None) or train.Layout)(LAYOUT)
@@ -86,8 +86,9 @@ def lower_once(package: str) -> dict[str, float]:
     make_state = lambda: train.init_train_state(  # noqa: E731
         lambda k: models.GPT(models.PRESETS[PRESET], par, key=k), optimizer, jax.random.key(0), mesh=mesh
     )
-    if hasattr(report, "_abstract"):  # before `equishard.report._abstract.abstract_state`
-        state = report._abstract(eqx.filter_eval_shape(make_state), mesh)
+    old = getattr(report, "_gpt", None)  # `equishard.report._gpt` before the GPT's report moved
+    if hasattr(old, "_abstract"):  # before `equishard.report._abstract.abstract_state`
+        state = old._abstract(eqx.filter_eval_shape(make_state), mesh)
     else:
         state = importlib.import_module(f"{package}.report._abstract").abstract_state(make_state, mesh)
     dynamic, static = eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))

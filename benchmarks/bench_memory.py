@@ -10,7 +10,7 @@ section of `benchmarks/RESULTS.md` (`bench_layouts.py --from-results` keeps it t
 d_model 256, 8 heads, SwiGLU d_ff 1024, vocabulary 2048, sequence 128, batch 16, float32,
 AdamW with global-norm clipping at 1.0 (5.25 M parameters): the train step of
 `equishard train`, built from abstract arrays and compiled, never run
-(`equishard.report.abstract_train_step`). For each layout: the compiler's per-device
+(`equishard.models.abstract_train_step`). For each layout: the compiler's per-device
 memory (`memory_analysis`: arguments, temporaries) and the bytes each device sends per
 step (`equishard.report.read_collectives`), with `--remat none` (what the table in the
 issue measured) and `--remat minimal_with_context` (MaxText's lightest policy, which
@@ -93,8 +93,8 @@ def measure(spec: str, remat: str, sequence_parallel: bool, zero: bool = False) 
     """Compile the step for one layout and policy; its memory and bytes per device."""
     import optax
 
+    from equishard.models import abstract_train_step
     from equishard.report import collective_bytes, memory_stats, read_collectives
-    from equishard.report._gpt import abstract_train_step
     from equishard.sharding import Layout, param_table
 
     layout = Layout(spec, sequence_parallel=sequence_parallel, zero=zero)

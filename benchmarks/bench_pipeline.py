@@ -144,7 +144,8 @@ def gpt_bytes(schedule: str, spec: str = "pp=2,dp=2,tp=2", microbatches: int = 8
     from bench_layouts import BATCH, SEQ, _config, equishard_side
 
     from equishard.core import schedule_weights
-    from equishard.report import collective_bytes, gpt_minimum, read_collectives
+    from equishard.models import gpt_minimum
+    from equishard.report import collective_bytes, read_collectives
     from equishard.sharding import Layout, param_table
 
     config = _config(False)

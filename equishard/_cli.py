@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._cli_base import HelpFormatter, check_platforms, use_cpu_devices
+from ._cli_base import HelpFormatter, add_layout_options, check_platforms, use_cpu_devices
 
 MAX_DEVICES = 65536
 """The most devices a command simulates (`--devices`): a typo must not take the machine's
@@ -101,7 +101,6 @@ def _clip_norm(text: str) -> float | None:
 def _add_train(sub: Any) -> argparse.ArgumentParser:
     from ._app import TrainConfig
     from ._cli_report import add_remat_options
-    from .core import SCHEDULES
     from .models import PRESETS
 
     d = TrainConfig()
@@ -117,7 +116,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--config", default=None, metavar="FILE", help="a TOML file of options (any option below, as batch_size = 16 or batch-size = 16); flags given here override it. A run writes its resolved options to <run-dir>/config.toml")
-    p.add_argument("--layout", default=d.layout, help="mesh axes: dp (data), fsdp (fully sharded data), cp (context: the sequence), tp (tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2' or 'dp=2,cp=4'; one size may be -1 to fill the devices ('fsdp=-1,tp=2')")
+    add_layout_options(p, default=d.layout)
     p.add_argument("--model", default=d.model, choices=list(PRESETS), help="model size preset (the registry inspect and plan share; one too large for this machine is refused)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train for")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
@@ -136,12 +135,6 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation and of the data order")
     p.add_argument("--run-dir", default=d.run_dir, help="where metrics.jsonl and loss.png go")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"), help="compute dtype (master weights stay float32)")
-    p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
-    p.add_argument("--zero", action="store_true", help="split the optimizer state over dp, parameters replicated (ZeRO-1: gradients reduce-scattered, parameters all-gathered)")
-    p.add_argument("--cp-impl", default=d.cp_impl, choices=("ring", "alltoall"), help="attention over a cp axis (the sequence split in zigzag order): ring attention or all-to-all (Ulysses)")
-    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
-    p.add_argument("--pipeline-repeats", type=int, default=d.pipeline_repeats, help="stages per device with pp (1: GPipe, more: circular)")
-    p.add_argument("--pipeline-schedule", default=d.pipeline_schedule, choices=SCHEDULES, help="pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient accumulation micro-steps per step")
     add_remat_options(p)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate on the validation split every N steps")

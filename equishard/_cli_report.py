@@ -15,9 +15,9 @@ import argparse
 import dataclasses
 import re
 import time
-from typing import Any
+from typing import Any, cast
 
-from ._cli_base import HelpFormatter
+from ._cli_base import HelpFormatter, add_layout_options
 from ._errors import LayerConfigError, MeshError
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -44,9 +44,12 @@ def parse_bytes(text: str) -> int:
 
 
 def _layout(args: argparse.Namespace) -> Any:
-    from .sharding._internal import layout_from_options
+    """The layout the options name, resolved for `--devices` (checked before JAX starts
+    any device: a malformed layout fails first)."""
+    from .sharding._internal import LayoutOptions, layout_from_options
 
-    return layout_from_options(args)
+    options = cast("LayoutOptions", args)  # the flags of `add_layout_options`
+    return layout_from_options(options).resolve(args.devices)
 
 
 def _cpu_devices(n: int) -> list:
@@ -66,18 +69,19 @@ def _cpu_devices(n: int) -> list:
     return devices[:n]
 
 
-def _compile_report(args: argparse.Namespace, num_devices: int) -> tuple[Any, dict[str, float], Any]:
+def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, dict[str, float], Any]:
+    """Compile the reference GPT's step for the options (`layout`: resolved already, or
+    `None`) and report on it: `(report, facts, layout)`."""
     from ._app import TrainConfig, make_optimizer
-    from .report import gpt_report, preset
+    from .models import gpt_report, preset
 
     # An unknown preset fails before JAX starts.
     config = dataclasses.replace(
         preset(args.model), remat=args.remat, remat_offload=args.remat_offload,
         batch_chunks=args.batch_chunks,
     )  # fmt: skip
-    layout = _layout(args)
-    layout.axes(num_devices)  # a malformed layout too
-    devices = _cpu_devices(num_devices)
+    layout = layout or _layout(args)  # a malformed layout too
+    devices = _cpu_devices(args.devices)
     train = TrainConfig()  # the optimizer `equishard train` uses, with its defaults
     report, facts = gpt_report(
         config, layout, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -184,7 +188,7 @@ def _inspect(args: argparse.Namespace) -> int:
             )
         report, facts = _user_report(args)
     else:
-        report, facts, _ = _compile_report(args, args.devices)
+        report, facts, _ = _compile_report(args)
     if not args.params:
         report = dataclasses.replace(report, params=())
     width = _width(args)
@@ -208,16 +212,14 @@ def _plan(args: argparse.Namespace) -> int:
         device_memory = parse_bytes(args.device_memory)
     else:
         device_memory = int(profile.memory_bytes) if profile is not None else 80 * 2**30
+    layout = None
     if args.batch_size is None:
-        from .report import preset
+        from .models import preset
 
         preset(args.model)
         layout = _layout(args)
-        par = layout.parallelism(args.devices)
-        args.batch_size = layout.data_parallel_size(args.devices) * (
-            par.num_microbatches if par.pipeline else 1
-        )
-    report, facts, layout = _compile_report(args, args.devices)
+        args.batch_size = layout.data_parallel_size * layout.num_microbatches
+    report, facts, layout = _compile_report(args, layout)
     width = _width(args)
     print(_verdict(report, device_memory, width))
     print()
@@ -353,7 +355,7 @@ def gpt_step_estimate(
     """`step_time_estimate` of a GPT step: `tokens_per_device` tokens' model FLOPs and
     elementwise bytes, and the update's passes over `state_bytes` of parameters and
     optimizer state per device."""
-    from .report import gpt_flops_per_token
+    from .models import gpt_flops_per_token
 
     flops = gpt_flops_per_token(config, seq_len) * tokens_per_device
     memory = tokens_per_device * ELEMENTWISE_BYTES * gpt_elementwise_per_token(config)
@@ -364,7 +366,7 @@ def gpt_step_estimate(
 
 
 def _time_estimate(args: argparse.Namespace, report: Any, profile: Any, state: float) -> list[str]:
-    from .report import preset
+    from .models import preset
 
     tokens = args.batch_size * args.seq_len
     config = preset(args.model)
@@ -403,18 +405,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f} us"
 
 
-def _add_layout_options(p: argparse.ArgumentParser) -> None:
-    from .core import SCHEDULES
-
+def _add_dtype_options(p: argparse.ArgumentParser) -> None:
+    """`--dtype`, `--param-dtype` and `--wide`: the step's dtypes and the output's width."""
     p.add_argument("--dtype", default="float32", choices=tuple(_DTYPES), help="compute dtype (the loss casts the parameters to it, as train --dtype does)")
     p.add_argument("--param-dtype", default="float32", choices=tuple(_DTYPES), help="dtype the parameters and optimizer moments are stored in")
     p.add_argument("--wide", action="store_true", help=f"print every table at full width (default: fit {WIDTH} columns)")
-    p.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
-    p.add_argument("--zero", action="store_true", help="split the optimizer state over dp, parameters replicated (ZeRO-1)")
-    p.add_argument("--cp-impl", default="ring", choices=("ring", "alltoall"), help="attention over a cp axis: ring attention or all-to-all (Ulysses)")
-    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
-    p.add_argument("--pipeline-repeats", type=int, default=1, help="stages per device with pp (1: GPipe, more: circular)")
-    p.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES, help="pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)")
 
 
 def _device_names() -> list[str]:
@@ -454,11 +449,11 @@ def add_report_parsers(sub: Any) -> None:
             f"view, as make_train_step takes them"
         ),
     )
-    p.add_argument("--layout", default="dp=2,fsdp=2,tp=2", help="mesh axes, e.g. 'fsdp=4,tp=2' (dp, fsdp, tp, ep, pp); one size may be -1 to fill the devices")
+    add_layout_options(p, default="dp=2,fsdp=2,tp=2")
     p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate; the layout must use them all")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length, in tokens")
-    _add_layout_options(p)
+    _add_dtype_options(p)
     add_remat_options(p)
     p.add_argument("--no-params", dest="params", action="store_false", help="leave out the per-parameter table")
     p.set_defaults(run=_inspect)
@@ -475,13 +470,13 @@ def add_report_parsers(sub: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help=f"model preset: {names}")
-    p.add_argument("--layout", required=True, help="mesh axes, e.g. 'fsdp=256,tp=8' (dp, fsdp, tp, ep, pp); one size may be -1 to fill the devices")
+    add_layout_options(p, default=None)
     p.add_argument("--devices", type=int, required=True, help="devices of the mesh (the layout must use them all)")
     p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the --device's HBM, else 80GiB)")
     p.add_argument("--device", default=None, choices=sorted(_device_names()), help="the accelerator to estimate the step time and MFU on (peak FLOP/s, HBM, link bandwidth)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: one per data shard and micro-batch)")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length, in tokens")
-    _add_layout_options(p)
+    _add_dtype_options(p)
     add_remat_options(p)
     p.set_defaults(run=_plan, params=True)
 

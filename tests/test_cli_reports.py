@@ -11,8 +11,8 @@ from equishard import __version__
 from equishard._cli import main
 from equishard._cli_report import WIDTH, gpt_step_estimate, step_time_estimate
 from equishard._text import text_table
-from equishard.models import PRESETS, GPTConfig
-from equishard.report import DEVICE_PROFILES, DeviceProfile, gpt_matmul_parameters
+from equishard.models import PRESETS, GPTConfig, gpt_matmul_parameters
+from equishard.report import DEVICE_PROFILES, DeviceProfile
 
 PLAN = ["plan", "--model", "tiny", "--layout", "fsdp=4,tp=2", "--devices", "8", "--seq-len", "32"]
 
@@ -131,3 +131,35 @@ def test_one_preset_registry_and_train_refuses_what_cannot_fit(tmp_path, capsys)
     assert re.search(r"--model llama3-405b: its \d+\.\d B parameters need at least [\d.]+ TiB", err), err
     assert "equishard plan --model llama3-405b" in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_train_inspect_and_plan_declare_one_set_of_layout_options():
+    """`--layout` and its options come from one function: the same help, the same
+    choices (the library's constants) in every command that takes a layout."""
+    import argparse
+
+    from equishard._cli_base import add_layout_options
+    from equishard.core import SCHEDULES
+    from equishard.sharding import CONTEXT_IMPLS
+
+    def layout_actions(command: str) -> dict[str, tuple[str | None, object]]:
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers()
+        if command == "train":
+            from equishard._cli import _add_train
+
+            p = _add_train(sub)
+        else:
+            from equishard._cli_report import add_report_parsers
+
+            add_report_parsers(sub)
+            p = sub.choices[command]
+        names = {"--layout", "--sequence-parallel", "--zero", "--cp-impl", "--microbatches", "--pipeline-repeats", "--pipeline-schedule"}
+        return {a.option_strings[-1]: (a.help, a.choices) for a in p._actions if a.option_strings[-1] in names}
+
+    reference = argparse.ArgumentParser()
+    add_layout_options(reference, default=None)
+    expected = {a.option_strings[-1]: (a.help, a.choices) for a in reference._actions if a.option_strings[-1] != "-h" and a.option_strings[-1] != "--help"}
+    assert expected["--cp-impl"][1] == CONTEXT_IMPLS and expected["--pipeline-schedule"][1] == SCHEDULES
+    for command in ("train", "inspect", "plan"):
+        assert layout_actions(command) == expected, command

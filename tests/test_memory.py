@@ -14,11 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard._errors import LayerConfigError
-from equishard.models import GPT, GPTConfig
+from equishard.models import GPT, GPTConfig, abstract_train_step, gpt_report
 from equishard.models._gpt import to_single_device
 from equishard.nn import remat_policy
-from equishard.report import gpt_report
-from equishard.report._gpt import abstract_train_step
 from equishard.sharding import Layout, param_table
 from equishard.train import init_train_state, make_train_step
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard._cli import main
 from equishard._cli_report import parse_bytes
-from equishard.models import GPT, PRESETS
+from equishard.models import GPT, PRESETS, gpt_minimum, gpt_report
 from equishard.nn import FSDP, TransformerBlock
 from equishard.report import (
     axes_of_groups,
@@ -29,8 +29,6 @@ from equishard.report import (
     data_parallel_minimum,
     expert_parallel_minimum,
     fsdp_minimum,
-    gpt_minimum,
-    gpt_report,
     parse_replica_groups,
     pipeline_minimum,
     read_collectives,
@@ -278,7 +276,7 @@ def no_compile(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the train step was built before the bad input was caught")
 
-    monkeypatch.setattr("equishard.report._gpt.make_train_step", refuse)
+    monkeypatch.setattr("equishard.models._training.make_train_step", refuse)
 
 
 @pytest.mark.parametrize(

@@ -376,3 +376,34 @@ def test_gather_inside_jit():
     assert_tree_allclose(out, net)
     out = eqx.filter_jit(es.gather)(es.shard(net, mesh))  # the mesh read off the types
     assert out.blocks[0].w1.value.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        es.Layout("dp=2,fsdp=2,tp=2", sequence_parallel=True),
+        es.Layout("pp=2,dp=2,tp=2", num_microbatches=4, pipeline_schedule="1f1b"),
+        es.Layout("dp=2,cp=4", cp_impl="alltoall"),
+        es.Layout("dp=4,tp=2", zero=True),
+        es.Layout("fsdp=-1,tp=2"),
+    ],
+)
+def test_a_layout_is_resolved_once_into_what_every_reader_reads(layout):
+    resolved = layout.resolve(8)
+    assert resolved.layout is layout and resolved.spec == layout.spec
+    assert resolved.axes == layout.axes(8) and resolved.num_devices == 8
+    assert resolved.parallelism == layout.parallelism(8)
+    assert resolved.batch_spec == layout.batch_spec(8)
+    assert resolved.data_parallel_size == layout.data_parallel_size(8)
+    assert resolved.zero == layout.zero_axes(8)
+    par = resolved.parallelism
+    assert resolved.num_microbatches == (par.num_microbatches if par.pipeline else 1)
+    mesh = resolved.mesh(jax.devices())
+    assert dict(mesh.shape) == resolved.axes
+
+
+def test_a_layout_is_checked_where_it_is_resolved():
+    with pytest.raises(es.MeshError, match=r"cp_impl \(--cp-impl\) 'ulysses' is not one of ring, alltoall"):
+        es.Layout("dp=2,cp=4", cp_impl="ulysses").resolve(8)
+    with pytest.raises(es.MeshError, match="zero .* lacks"):
+        es.Layout("fsdp=8", zero=True).resolve(8)

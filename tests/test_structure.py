@@ -17,17 +17,19 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "equishard"
 
-# Bottom to top. A module may import modules of lower floors and of its own package;
-# packages on one floor are siblings and import neither each other nor anything above.
-# `report` reads the reference GPT's train step (`gpt_report`, `gpt_minimum`,
-# `gpt_memory`), so it sits above `models` and `train`: nothing below imports it.
+# Bottom to top, in DESIGN.md's order ("The four floors"): `core` and `sharding` siblings
+# over `_axes`, then `nn`, `report` (needs no training extras), `train`, `models` (the
+# reference GPT, its training and its report) and the application with the command line
+# on top. A module may import modules of lower floors and of its own package; packages on
+# one floor are siblings and import neither each other nor anything above.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "_text", "_version"),
+    ("_errors", "_names", "_text", "_version"),
     ("_axes", "_env"),
     ("core", "sharding", "distributed"),
     ("nn",),
-    ("models", "train", ""),  # "" is the package root, `equishard/__init__.py`
     ("report",),
+    ("train",),
+    ("models", ""),  # "" is the package root, `equishard/__init__.py`
     ("_app", "_cli_base"),
     ("_cli_report", "_launch"),
     ("_cli",),

@@ -17,8 +17,8 @@ from equishard import LayerConfigError
 from equishard._app import TrainConfig, run
 from equishard._app._run import check_options
 from equishard._cli import main
-from equishard.models import PRESETS
-from equishard.report import DeviceProfile, device_profile, gpt_flops_per_token
+from equishard.models import PRESETS, gpt_flops_per_token
+from equishard.report import DeviceProfile, device_profile
 
 STEP_SECONDS = 0.5
 PEAK = 2e9  # FLOP/s of the injected device: MFU comes out well above 0 on the CPU
@@ -59,8 +59,7 @@ def test_matmul_parameters_are_the_models_but_embedding_and_norms():
     import equinox as eqx
     import jax
 
-    from equishard.models import GPT
-    from equishard.report import gpt_matmul_parameters
+    from equishard.models import GPT, gpt_matmul_parameters
 
     for name in ("tiny", "llama3-8b"):
         c = PRESETS[name]

@@ -20,6 +20,7 @@ import typing
 from typing import Any
 
 from .._errors import LayerConfigError
+from .._names import RING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ class TrainConfig:
     dtype: str = "float32"
     sequence_parallel: bool = False
     zero: bool = False
-    cp_impl: str = "ring"
+    cp_impl: str = RING
     microbatches: int | None = None
     pipeline_repeats: int = 1
     remat: str = "none"

@@ -36,17 +36,19 @@ from ..models import (
     GPT,
     PRESETS,
     GPTConfig,
-    cast_floating,
     check_context_split,
     count_parameters,
+    gpt_flops_per_token,
+    gpt_matmul_parameters,
+    gpt_training,
     token_batch,
 )
 from ..models._internal import canonical_path, to_single_device
 from ..nn import remat_policy
-from ..report import DeviceProfile, device_profile, gpt_flops_per_token, gpt_matmul_parameters
-from ..sharding import Layout, filter_shard_map, format_param_table, gather
+from ..report import DeviceProfile, device_profile
+from ..sharding import ResolvedLayout, filter_shard_map, format_param_table, gather
 from ..sharding._internal import layout_from_options
-from ..train import TrainState, export_model, init_train_state, make_train_step
+from ..train import TrainState, export_model
 from ._config import TrainConfig
 from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
 from ._log import (
@@ -182,16 +184,16 @@ def check_schedule(schedule: optax.Schedule, steps: int, *, breakpoints: tuple[i
         )
 
 
-def _check(config: TrainConfig, layout: Layout, num_devices: int) -> None:
-    data = layout.data_parallel_size(num_devices)
+def _check(config: TrainConfig, layout: ResolvedLayout) -> None:
+    data = layout.data_parallel_size
     per_device = config.batch_size // data if config.batch_size % data == 0 else None
     if per_device is None:
         raise LayerConfigError(
             f"--batch-size {config.batch_size} is not divisible by the {data} ways the layout "
             f"{config.layout!r} splits the batch."
         )
-    par = layout.parallelism(num_devices)
-    if per_device % (config.grad_accum * (par.num_microbatches if par.pipeline else 1)):
+    par = layout.parallelism
+    if per_device % (config.grad_accum * layout.num_microbatches):
         raise LayerConfigError(
             f"the per-device batch of {per_device} examples does not divide into "
             f"{config.grad_accum} accumulation steps x {par.num_microbatches} pipeline "
@@ -247,38 +249,31 @@ class Run:
     def __init__(self, config: TrainConfig, *, devices: list | None = None):
         check_options(config)
         self.config = config
-        self.layout = layout_from_options(config)
         devices = list(jax.devices() if devices is None else devices)
+        self.layout: ResolvedLayout = layout_from_options(config).resolve(len(devices))
         self.mesh: Mesh = self.layout.mesh(devices)
-        _check(config, self.layout, len(devices))
+        _check(config, self.layout)
         check_fits_machine(config.model, PRESETS[config.model], devices)
-        self.parallelism = self.layout.parallelism(len(devices))
-        self.zero = self.layout.zero_axes(len(devices))
+        self.parallelism = self.layout.parallelism
         self.model_config = dataclasses.replace(
             PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload,
             batch_chunks=config.batch_chunks,
         )  # fmt: skip
         self.optimizer = make_optimizer(config)
-        self.batch_spec = self.layout.batch_spec(len(devices))
+        self.batch_spec = self.layout.batch_spec
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
-        compute = DTYPES[config.dtype]
-        self.loss_fn = lambda model, batch, key: model.loss(batch, key)
         # Mixed precision by the step (float32 master weights and optimizer state, FSDP
         # gathering in the compute dtype and reducing gradients in float32).
-        self.train_step = make_train_step(
-            self.loss_fn,
-            self.optimizer,
-            mesh=self.mesh,
-            batch_spec=self.batch_spec,
-            grad_accum=config.grad_accum,
-            clip_norm=config.clip_norm,
-            zero=self.zero,
-            zero_min_weight_size=self.parallelism.fsdp_min_weight_size,
-            compute_dtype=None if compute == jnp.float32 else compute,
-        )
+        self.training = gpt_training(
+            self.model_config, self.layout, self.mesh, self.optimizer,
+            grad_accum=config.grad_accum, clip_norm=config.clip_norm, dtype=DTYPES[config.dtype],
+            mixed_precision=True,
+        )  # fmt: skip
+        self.loss_fn = loss_fn = self.training.loss_fn
+        self.train_step = self.training.step
         self.eval_loss = eqx.filter_jit(
             filter_shard_map(
-                lambda model, batch: cast_floating(model, compute).loss(batch, None)[1]["cross_entropy"],
+                lambda model, batch: loss_fn(model, batch, None)[1]["cross_entropy"],
                 mesh=self.mesh,
                 in_specs=(None, self.batch_spec),
                 out_specs=P(),
@@ -294,15 +289,11 @@ class Run:
         return list(pipeline_layer_order(units, par.num_stages, par.pipeline_repeats))
 
     def make_model(self, key: Any) -> GPT:
-        return GPT(self.model_config, self.parallelism, key=key)
+        return self.training.make_model(key)
 
     def init_state(self) -> TrainState:
         """The initial state, born sharded (mesh-invariant: the same on every layout)."""
-        return init_train_state(
-            self.make_model, self.optimizer, jax.random.key(self.config.seed), mesh=self.mesh,
-            zero=self.zero,
-            zero_min_weight_size=self.parallelism.fsdp_min_weight_size,
-        )
+        return self.training.init_state(jax.random.key(self.config.seed))
 
     def state_template(self) -> TrainState:
         """The state's structure, shapes and specs, computed without building it."""

@@ -36,6 +36,7 @@ from jaxtyping import Array
 
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
+from .._names import CIRCULAR, GPIPE
 from ._collectives import ring_shift
 from ._microbatch import split_microbatches
 from ._schedule import FORWARD, pipeline_schedule
@@ -288,7 +289,7 @@ def execute_pipeline(
     activation's shape or dtype.
     """
     num_stages = _num_stages(model_axis_name)
-    schedule = _forward_table("gpipe", num_stages, num_microbatches, 1)
+    schedule = _forward_table(GPIPE, num_stages, num_microbatches, 1)
 
     def call(rep: Array, h: Array) -> Array:
         del rep
@@ -335,7 +336,7 @@ def execute_circular_pipeline(
     or the stage changes the activation's shape or dtype.
     """
     num_stages = _num_stages(model_axis_name)
-    schedule = _forward_table("circular", num_stages, num_microbatches, repeats)
+    schedule = _forward_table(CIRCULAR, num_stages, num_microbatches, repeats)
 
     def call(rep: Array, h: Array) -> Array:
         return module(rep, h, *args, **kwargs)

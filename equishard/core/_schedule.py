@@ -22,10 +22,15 @@ from typing import Literal
 import numpy as np
 
 from .._errors import LayerConfigError
+from .._names import (
+    GPIPE,
+    ONE_F_ONE_B,
+    SCHEDULES as SCHEDULES,
+    ZB_H1,
+    differentiated_scan,
+)
 
 ScheduleName = Literal["gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
-"""The schedules `pipeline_schedule` knows."""
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 """Op codes of a schedule table: idle, forward, backward (the input gradient, and the
@@ -68,12 +73,12 @@ class PipelineSchedule:
     @property
     def split_backward(self) -> bool:
         """Whether the backward is split into input-gradient (`B`) and weight-gradient (`W`) work."""
-        return self.name == "zb-h1"
+        return self.name == ZB_H1
 
     @property
     def differentiated_scan(self) -> bool:
         """Whether the schedule runs as one differentiated scan (GPipe, circular)."""
-        return self.name in ("gpipe", "circular")
+        return differentiated_scan(self.name)
 
     def rows(self) -> list[str]:
         """The table as text, one line per step: `F3` is micro-batch 3's forward.
@@ -109,7 +114,7 @@ def _check_args(name: str, num_stages: int, num_microbatches: int, repeats: int)
     ):
         if value < 1:
             raise LayerConfigError(f"pipeline: {what} must be at least 1, got {value}.")
-    if name in ("gpipe", "1f1b", "zb-h1") and repeats != 1:
+    if name in (GPIPE, ONE_F_ONE_B, ZB_H1) and repeats != 1:
         raise LayerConfigError(
             f"pipeline: the {name!r} schedule runs one stage per device (repeats=1), got "
             f"repeats={repeats}; use 'circular' or 'interleaved-1f1b' for more."
@@ -158,12 +163,12 @@ def _orders(name: str, s: int, m: int, r: int) -> list[list[Work]]:
     """Each device's work in the order it does it (zb-h1 is built greedily instead)."""
     orders = []
     for d in range(s):
-        if name in ("gpipe", "circular"):
+        if differentiated_scan(name):
             # Autodiff of the scan: every forward, then the backwards in reverse.
             fwd = _circular_pieces(s, m, r) if r > 1 else [(mb, 0) for mb in range(m)]
             order = [(FORWARD, mb, v) for mb, v in fwd]
             order += [(BACKWARD, mb, v) for mb, v in reversed(fwd)]
-        elif name == "1f1b":
+        elif name == ONE_F_ONE_B:
             mbs = [(mb, 0) for mb in range(m)]
             order = _one_f_one_b(mbs, mbs, s - d - 1)
         else:  # interleaved-1f1b (Megatron's warm-up count)
@@ -302,7 +307,7 @@ def pipeline_schedule(
     """
     _check_args(name, num_stages, num_microbatches, repeats)
     s, m, r = num_stages, num_microbatches, repeats
-    if name == "zb-h1":
+    if name == ZB_H1:
         steps = _zero_bubble_h1(s, m)
     else:
         steps = _lockstep(_orders(name, s, m, r), s, r, split=False)

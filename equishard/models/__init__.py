@@ -1,6 +1,14 @@
-"""Reference models built from `equishard.nn`."""
+"""The reference GPT built from `equishard.nn`, and what the command line reads of it: its
+training under a layout (`gpt_training`), its train step lowered from shapes alone and
+its report (`gpt_report`: the analytical minimum `gpt_minimum`, the memory estimate
+`gpt_memory`, the model FLOPs `gpt_flops_per_token`).
+"""
 
 from ..sharding import Parallelism as Parallelism  # its home is `equishard.sharding`
+from ._flops import (
+    gpt_flops_per_token as gpt_flops_per_token,
+    gpt_matmul_parameters as gpt_matmul_parameters,
+)
 from ._gpt import (
     GPT as GPT,
     PRESETS as PRESETS,
@@ -9,4 +17,15 @@ from ._gpt import (
     check_context_split as check_context_split,
     count_parameters as count_parameters,
     token_batch as token_batch,
+)
+from ._memory import gpt_memory as gpt_memory
+from ._minimum import gpt_minimum as gpt_minimum, gpt_param_rows as gpt_param_rows
+from ._report import gpt_report as gpt_report
+from ._training import (
+    AbstractStep as AbstractStep,
+    GPTTraining as GPTTraining,
+    abstract_train_step as abstract_train_step,
+    check_gpt_layout as check_gpt_layout,
+    gpt_training as gpt_training,
+    preset as preset,
 )

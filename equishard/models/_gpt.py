@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
+from .._names import ALLTOALL, RING, differentiated_scan
 from ..core import from_last_stage, gather_tokens, zigzag_indices
 from ..nn import (
     FSDP,
@@ -279,15 +280,15 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
             f"GPT: a context-parallel axis {par.context!r} with MoE layers is not "
             f"supported; drop cp or moe_every."
         )
-    explicit = par.pipeline_schedule not in (None, "gpipe", "circular")
-    if par.context and par.pipeline and explicit and par.context_impl == "ring":
+    explicit = not differentiated_scan(par.pipeline_schedule)
+    if par.context and par.pipeline and explicit and par.context_impl == RING:
         raise LayerConfigError(
             f"GPT: ring attention over the context axis {par.context!r} does not run under "
             f"the {par.pipeline_schedule!r} pipeline schedule (its key/value ring would "
             f"run inside the schedule's per-stage branches, which XLA:CPU does not "
             f"execute); use cp_impl='alltoall', or pipeline_schedule='gpipe' or 'circular'."
         )
-    if par.context and par.context_impl == "alltoall":
+    if par.context and par.context_impl == ALLTOALL:
         local_heads = config.n_heads // max(par.size(par.tensor), 1)
         if local_heads % par.size(par.context):
             raise LayerConfigError(

@@ -13,6 +13,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._axes import bound_axis_size, cast_varying, varying_axes
 from .._errors import LayerConfigError
+from .._names import CIRCULAR, GPIPE, differentiated_scan
 from ..core import (
     PipelineSchedule,
     execute_circular_pipeline,
@@ -124,7 +125,7 @@ class PipelineModule(eqx.Module):
         # Both validate: L against S R, and M against S when R > 1.
         order = np.asarray(pipeline_layer_order(num_layers, num_stages, repeats))
         if schedule is None:
-            schedule = "gpipe" if repeats == 1 else "circular"
+            schedule = GPIPE if repeats == 1 else CIRCULAR
         pipeline_schedule(schedule, num_stages, num_microbatches, repeats=repeats)
         self.schedule = schedule
         self.model_axis_name = model_axis_name
@@ -214,7 +215,7 @@ class PipelineModule(eqx.Module):
     @property
     def explicit(self) -> bool:
         """Whether the schedule runs its own backward (1F1B, interleaved 1F1B, ZB-H1)."""
-        return self.schedule not in ("gpipe", "circular")
+        return not differentiated_scan(self.schedule)
 
     def table(self) -> PipelineSchedule:
         """The schedule's table (`equishard.core.pipeline_schedule`)."""

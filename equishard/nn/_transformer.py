@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
+from .._names import CONTEXT_IMPLS, RING, ZIGZAG
 from ..core import (
     alltoall_attention,
     attention as attention_kernel,
@@ -59,7 +60,6 @@ from ._moe import MoE, MoEAux
 from ._remat import CONTEXT, MLP_IN, MLP_OUT, OUT_PROJ, QKV_PROJ
 
 STYLES = ("megatron", "sequence")
-CONTEXT_IMPLS = ("ring", "alltoall")
 
 
 def _check_style(layer: str, style: Any) -> None:
@@ -568,8 +568,8 @@ class ParallelAttention(eqx.Module):
                     f"pass the global positions of this device's tokens (positions=...)."
                 )
             # f32[..., S/cp, H/n, hd] attends over all S tokens of the cp axis.
-            split = ring_attention if self.context_impl == "ring" else alltoall_attention
-            out = split(q, k, v, cp, causal=True, layout="zigzag", q_positions=positions, kv_positions=positions)
+            split = ring_attention if self.context_impl == RING else alltoall_attention
+            out = split(q, k, v, cp, causal=True, layout=ZIGZAG, q_positions=positions, kv_positions=positions)
         else:
             # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
             out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)

@@ -2,11 +2,12 @@
 
 `read_collectives(compiled)` is the HLO collective reader the tests, the benchmarks and
 the reports share: every collective a compiled program runs, its replica groups, loop
-trip counts applied, and the bytes each device sends. `report(compiled, mesh=...)` lists every collective of a compiled program with its mesh
-axes and the bytes each device sends, and the compiler's per-device memory;
-`gpt_report` compiles the reference GPT's real train step for any layout, from shapes
-alone, and sets the measured bytes beside `gpt_minimum`, the analytical minimum (see
-`equishard.report._minimum` for every formula).
+trip counts applied, and the bytes each device sends. `report(compiled, mesh=...)` lists
+every collective of a compiled program with its mesh axes and the bytes each device
+sends, and the compiler's per-device memory, beside an analytical `Minimum` and
+`MemoryEstimate` where given. The textbook minima are here; the reference GPT's report
+(`gpt_report`, `gpt_minimum`, `gpt_memory`, its FLOPs) is `equishard.models`', which sits
+above this package.
 """
 
 from .._text import human_bytes as human_bytes
@@ -15,16 +16,7 @@ from ._flops import (
     DEVICE_PROFILES as DEVICE_PROFILES,
     DeviceProfile as DeviceProfile,
     device_profile as device_profile,
-    gpt_flops_per_token as gpt_flops_per_token,
-    gpt_matmul_parameters as gpt_matmul_parameters,
     mfu as mfu,
-)
-from ._gpt import (
-    AbstractStep as AbstractStep,
-    abstract_train_step as abstract_train_step,
-    check_gpt_layout as check_gpt_layout,
-    gpt_report as gpt_report,
-    preset as preset,
 )
 from ._hlo import (
     COLLECTIVE_KINDS as COLLECTIVE_KINDS,
@@ -38,7 +30,6 @@ from ._hlo import (
 from ._memory import (
     MemoryEstimate as MemoryEstimate,
     format_memory_estimate as format_memory_estimate,
-    gpt_memory as gpt_memory,
 )
 from ._minimum import (
     Minimum as Minimum,
@@ -47,8 +38,6 @@ from ._minimum import (
     expert_parallel_minimum as expert_parallel_minimum,
     format_minimum as format_minimum,
     fsdp_minimum as fsdp_minimum,
-    gpt_minimum as gpt_minimum,
-    gpt_param_rows as gpt_param_rows,
     pipeline_minimum as pipeline_minimum,
     state_bytes as state_bytes,
     tensor_parallel_minimum as tensor_parallel_minimum,

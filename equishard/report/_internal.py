@@ -6,3 +6,4 @@ from ._abstract import (
     abstract_state as abstract_state,
     lower_from_shapes as lower_from_shapes,
 )
+from ._minimum import ring_fraction as ring_fraction

@@ -19,7 +19,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from .._text import fill, human_bytes, text_table
-from ..sharding import ParamRow
+from ..sharding import ParamRow, format_param_rows
 from ._axes import collective_axes
 from ._hlo import CollectiveOp, compiled_program, format_shapes, read_collectives
 from ._memory import MemoryEstimate, format_memory_estimate
@@ -245,25 +245,6 @@ def format_collectives(collectives: Sequence[CollectiveRow], width: int | None =
     return text_table(header, rows, total, width=width)
 
 
-def format_params(rows: Sequence[ParamRow], width: int | None = None) -> str:
-    """The per-parameter table: path, global shape, dtype, spec, bytes per device
-    (`width` as in `format_collectives`)."""
-    header = ("parameter", "global shape", "dtype", "spec", "bytes/device")
-    body = [
-        (
-            r.path,
-            "x".join(map(str, r.shape)) or "()",
-            r.dtype,
-            str(r.spec).removeprefix("PartitionSpec"),
-            human_bytes(r.bytes_per_device),
-        )
-        for r in rows
-    ]
-    per_device = sum(r.bytes_per_device for r in rows)
-    total = ("total", "", "", "", human_bytes(per_device))
-    return text_table(header, body, total, width=width)
-
-
 def format_memory(memory: MemoryStats) -> str:
     """The per-device memory, one line per kind."""
     lines = [
@@ -322,5 +303,5 @@ def format_report(r: StepReport, width: int | None = None) -> str:
         compiled = (r.memory.argument_bytes, r.memory.temp_bytes) if r.memory is not None else (None, None)
         out += ["", format_memory_estimate(r.estimate, *compiled, width=width)]
     if r.params:
-        out += ["", "Parameters:", format_params(r.params, width)]
+        out += ["", "Parameters:", format_param_rows(r.params, width)]
     return "\n".join(out)

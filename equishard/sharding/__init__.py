@@ -1,5 +1,6 @@
 """The sharding floor: how modules carry specs, and the transforms that read them."""
 
+from .._names import CONTEXT_IMPLS as CONTEXT_IMPLS
 from ._box import (
     Sharded as Sharded,
     add_leading_axis as add_leading_axis,
@@ -17,7 +18,12 @@ from ._fsdp import (
     reference_dimension as reference_dimension,
     shard_params as shard_params,
 )
-from ._layout import AXES as AXES, Layout as Layout, Parallelism as Parallelism
+from ._layout import (
+    AXES as AXES,
+    Layout as Layout,
+    Parallelism as Parallelism,
+    ResolvedLayout as ResolvedLayout,
+)
 from ._mesh import make_mesh as make_mesh, parse_layout as parse_layout
 from ._place import gather as gather, shard as shard
 from ._rules import apply_rules as apply_rules
@@ -36,6 +42,7 @@ from ._specs import (
 from ._sync import sync_gradients as sync_gradients
 from ._table import (
     ParamRow as ParamRow,
+    format_param_rows as format_param_rows,
     format_param_table as format_param_table,
     param_table as param_table,
 )

@@ -7,7 +7,11 @@ from ._fsdp import (
     DEFAULT_MIN_WEIGHT_SIZE as DEFAULT_MIN_WEIGHT_SIZE,
     axis_size_and_bound as axis_size_and_bound,
 )
-from ._layout import layout_from_options as layout_from_options
+from ._layout import (
+    LayoutOptions as LayoutOptions,
+    layout_from_options as layout_from_options,
+    resolve_layout as resolve_layout,
+)
 from ._place import is_tracer as is_tracer
 from ._rules import (
     compile_pattern as compile_pattern,

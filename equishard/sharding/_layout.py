@@ -1,32 +1,37 @@
 """One layout description for every parallelism: `"dp=2,fsdp=2,tp=2"` plus options.
 
-The layout builds the mesh (with `make_mesh`, the same parser as the Python API) and
-decides how a model uses it (a `Parallelism`): the batch is split over the data axes
-(`dp`, `fsdp`, `ep`), parameters over `fsdp` (FSDP) and `tp` (tensor parallel), experts
-over `ep`, layers over `pp` (pipeline); sequence parallelism runs over `tp`. The model
-code does not change between layouts.
+A `Layout` is what was asked for (the command line's `--layout` and its options, or the
+Python API's arguments). `Layout.resolve` parses and validates it once, for a number of
+devices, into a `ResolvedLayout`: the axes and their sizes, how a model uses them (a
+`Parallelism`: the batch is split over the data axes `dp`, `fsdp`, `ep`, parameters over
+`fsdp` (FSDP) and `tp` (tensor parallel), experts over `ep`, layers over `pp`
+(pipeline); sequence parallelism runs over `tp`), the batch's spec and the optimizer
+state's split. Every consumer — the command line, the application, the report, the
+GPT — reads that one object; the model code does not change between layouts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import sys
+from typing import Protocol, runtime_checkable
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._errors import MeshError
+from .._names import CONTEXT_IMPLS, RING
 from ._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 from ._mesh import make_mesh, parse_layout
 
 AXES = ("dp", "fsdp", "cp", "tp", "ep", "pp")
 """The axis names a layout may use: data, fully-sharded data, context, tensor, expert, pipeline."""
 
-CP_IMPLS = ("ring", "alltoall")
-"""The context-parallel attention implementations (`Layout.cp_impl`)."""
-
 DATA_AXES = ("dp", "fsdp", "ep")
+"""The axes a batch is split over: data, fully-sharded data, expert."""
+ZERO_AXIS = "dp"
+"""The axis the optimizer state is split over under `Layout.zero` (ZeRO-1)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +71,11 @@ class Parallelism:
     sequence_parallel: bool = False
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
     context: str | None = None
-    context_impl: str = "ring"
+    context_impl: str = RING
 
     def size(self, axis: str | None) -> int:
         """The size of `axis` (1 if absent)."""
         return dict(zip(self.axes, self.sizes)).get(axis, 1) if axis else 1
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +101,10 @@ class Layout:
       replicated over `dp`, the optimizer state's arrays are split over it (arrays below
       `fsdp_min_weight_size` stay replicated), the gradients are reduce-scattered and
       the updated parameters all-gathered once per step. See the training guide.
+
+    `resolve` parses and validates the layout once; the other methods are shorthands
+    for one field of it (each resolves anew: a program that reads several resolves once
+    and keeps the `ResolvedLayout`).
     """
 
     spec: str
@@ -105,12 +113,56 @@ class Layout:
     pipeline_repeats: int = 1
     pipeline_schedule: str | None = None
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
-    cp_impl: str = "ring"
+    cp_impl: str = RING
     zero: bool = False
 
-    def axes(self, num_devices: int | None = None) -> dict[str, int]:
-        """The axes and their sizes, validated (see `parse_layout`)."""
+    def resolve(self, num_devices: int | None = None) -> ResolvedLayout:
+        """Parse and validate the layout for `num_devices` devices (default: all of
+        JAX's): the one place a layout is checked.
+
+        **Returns:**
+
+        The `ResolvedLayout`.
+
+        **Raises:**
+
+        `MeshError` naming the layout and the option at fault: a malformed or unknown
+        axis (see `parse_layout`), an unknown `cp_impl`, sequence parallelism without
+        `tp`, `zero` without a `dp` axis of size 2 or more, micro-batches or pipeline
+        repeats below 1.
+        """
         axes = parse_layout(self.spec, num_devices)
+        self._check(axes)
+        pp = axes.get("pp")
+        data_axes = tuple(a for a in axes if a in DATA_AXES)
+        parallelism = Parallelism(
+            axes=tuple(axes),
+            sizes=tuple(axes.values()),
+            data_axes=data_axes,
+            tensor="tp" if "tp" in axes else None,
+            fsdp="fsdp" if "fsdp" in axes else None,
+            expert="ep" if "ep" in axes else None,
+            pipeline="pp" if pp else None,
+            num_stages=pp or 1,
+            num_microbatches=(self.num_microbatches or pp or 1) if pp else 1,
+            pipeline_repeats=self.pipeline_repeats,
+            pipeline_schedule=self.pipeline_schedule,
+            sequence_parallel=self.sequence_parallel,
+            fsdp_min_weight_size=self.fsdp_min_weight_size,
+            context="cp" if "cp" in axes else None,
+            context_impl=self.cp_impl,
+        )
+        data = data_axes or None
+        return ResolvedLayout(
+            layout=self,
+            parallelism=parallelism,
+            zero=ZERO_AXIS if self.zero else None,
+            batch_spec=P(data, parallelism.context) if parallelism.context else P(data) if data else P(),
+            data_parallel_size=math.prod(axes[a] for a in data_axes),
+        )
+
+    def _check(self, axes: dict[str, int]) -> None:
+        """The options against the parsed axes (see `resolve`)."""
         unknown = [a for a in axes if a not in AXES]
         if unknown:
             raise MeshError(
@@ -118,14 +170,14 @@ class Layout:
                 f"{', '.join(AXES)} (data, fully-sharded data, context, tensor, expert, "
                 f"pipeline)."
             )
-        if self.cp_impl not in CP_IMPLS:
+        if self.cp_impl not in CONTEXT_IMPLS:
             raise MeshError(
                 f"layout {self.spec!r}: cp_impl (--cp-impl) {self.cp_impl!r} is not one of "
-                f"{', '.join(CP_IMPLS)}."
+                f"{', '.join(CONTEXT_IMPLS)}."
             )
         if self.sequence_parallel and "tp" not in axes:
             raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a 'tp' axis.")
-        if self.zero and axes.get("dp", 1) < 2:
+        if self.zero and axes.get(ZERO_AXIS, 1) < 2:
             raise MeshError(
                 f"layout {self.spec!r}: zero (--zero) splits the optimizer state over the "
                 f"'dp' axis, which this layout lacks (or has of size 1); under 'fsdp' the "
@@ -141,66 +193,120 @@ class Layout:
                 f"layout {self.spec!r}: pipeline_repeats (--pipeline-repeats) must be at least "
                 f"1, got {self.pipeline_repeats}."
             )
-        return axes
+
+    def axes(self, num_devices: int | None = None) -> dict[str, int]:
+        """The axes and their sizes, validated: `resolve(num_devices).axes`."""
+        return self.resolve(num_devices).axes
 
     def mesh(self, devices: list | None = None) -> Mesh:
-        """The device mesh (the first devices of `devices`, default all)."""
+        """The device mesh (the first devices of `devices`, default all):
+        `resolve(len(devices)).mesh(devices)`."""
         devices = list(jax.devices() if devices is None else devices)
-        axes = self.axes(len(devices))
-        return make_mesh(axes, devices=devices[: math.prod(axes.values())])
+        return self.resolve(len(devices)).mesh(devices)
 
     def parallelism(self, num_devices: int | None = None) -> Parallelism:
-        """How a model uses the mesh of this layout."""
-        axes = self.axes(num_devices)
-        pp = axes.get("pp")
-        return Parallelism(
-            axes=tuple(axes),
-            sizes=tuple(axes.values()),
-            data_axes=tuple(a for a in axes if a in DATA_AXES),
-            tensor="tp" if "tp" in axes else None,
-            fsdp="fsdp" if "fsdp" in axes else None,
-            expert="ep" if "ep" in axes else None,
-            pipeline="pp" if pp else None,
-            num_stages=pp or 1,
-            num_microbatches=(self.num_microbatches or pp or 1) if pp else 1,
-            pipeline_repeats=self.pipeline_repeats,
-            pipeline_schedule=self.pipeline_schedule,
-            sequence_parallel=self.sequence_parallel,
-            fsdp_min_weight_size=self.fsdp_min_weight_size,
-            context="cp" if "cp" in axes else None,
-            context_impl=self.cp_impl,
-        )
+        """How a model uses the mesh of this layout: `resolve(num_devices).parallelism`."""
+        return self.resolve(num_devices).parallelism
 
     def zero_axes(self, num_devices: int | None = None) -> str | None:
         """The axis the optimizer state is split over under `zero` (`"dp"`), or `None`:
-        the `zero=` of `init_train_state` and `make_train_step` (the model does not
-        change with it)."""
-        self.axes(num_devices)  # validated
-        return "dp" if self.zero else None
+        `resolve(num_devices).zero`, the `zero=` of `init_train_state` and
+        `make_train_step` (the model does not change with it)."""
+        return self.resolve(num_devices).zero
 
     def batch_spec(self, num_devices: int | None = None) -> P:
-        """The spec of a global batch `[B, ...]`: split over the data axes.
-
-        With a `cp` axis the batch's arrays are `[B, S]` (inputs, labels, positions)
-        and the sequence dimension is split over `cp` too: `P(data, "cp")`.
-        """
-        par = self.parallelism(num_devices)
-        data = par.data_axes or None
-        if par.context:
-            return P(data, par.context)
-        return P(data) if data else P()
+        """The spec of a global batch `[B, ...]`: `resolve(num_devices).batch_spec`."""
+        return self.resolve(num_devices).batch_spec
 
     def data_parallel_size(self, num_devices: int | None = None) -> int:
-        """How many ways the batch is split."""
-        axes = self.axes(num_devices)
-        return math.prod(axes[a] for a in axes if a in DATA_AXES)
+        """How many ways the batch is split: `resolve(num_devices).data_parallel_size`."""
+        return self.resolve(num_devices).data_parallel_size
 
 
-def layout_from_options(options: Any) -> Layout:
-    """The `Layout` that the train, inspect and plan commands' options name: an object
-    with the attributes `layout`, `sequence_parallel`, `microbatches`,
-    `pipeline_repeats`, `pipeline_schedule`, `cp_impl` and `zero` (parsed flags, or the
-    application's run configuration)."""
+@dataclasses.dataclass(frozen=True)
+class ResolvedLayout:
+    """A `Layout` parsed and validated for a number of devices (`Layout.resolve`): what
+    the command line, the application, the report and the model read.
+
+    **Fields:**
+
+    - `layout`: the `Layout` it was resolved from (its `spec` names it in messages).
+    - `parallelism`: how a model uses the mesh (the `Parallelism` a model is built with).
+    - `zero`: the axis the optimizer state is split over (`"dp"` under `Layout.zero`),
+      or `None`: the `zero=` of `init_train_state` and `make_train_step`.
+    - `batch_spec`: the spec of a global batch `[B, ...]`, split over the data axes;
+      with a `cp` axis the batch's arrays are `[B, S]` (inputs, labels, positions) and
+      the sequence is split over `cp` too: `P(data, "cp")`.
+    - `data_parallel_size`: how many ways the batch is split.
+    """
+
+    layout: Layout
+    parallelism: Parallelism
+    zero: str | None
+    batch_spec: P
+    data_parallel_size: int
+
+    @property
+    def spec(self) -> str:
+        """The layout as it was written (`Layout.spec`)."""
+        return self.layout.spec
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The axes and their sizes, in order."""
+        return dict(zip(self.parallelism.axes, self.parallelism.sizes))
+
+    @property
+    def num_devices(self) -> int:
+        """The devices the mesh uses: the product of the axis sizes."""
+        return math.prod(self.parallelism.sizes)
+
+    @property
+    def num_microbatches(self) -> int:
+        """The pipeline's micro-batches per step (1 without `pp`)."""
+        par = self.parallelism
+        return par.num_microbatches if par.pipeline else 1
+
+    def mesh(self, devices: list | None = None) -> Mesh:
+        """The device mesh on the first `num_devices` of `devices` (default: all of
+        JAX's devices)."""
+        devices = list(jax.devices() if devices is None else devices)
+        return make_mesh(self.axes, devices=devices[: self.num_devices])
+
+
+@runtime_checkable
+class LayoutOptions(Protocol):
+    """What names a layout on the command line and in the application's configuration:
+    the options of `equishard train`, `inspect` and `plan` (parsed flags, or the
+    application's `TrainConfig`)."""
+
+    @property
+    def layout(self) -> str: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def microbatches(self) -> int | None: ...
+    @property
+    def pipeline_repeats(self) -> int: ...
+    @property
+    def pipeline_schedule(self) -> str | None: ...
+    @property
+    def cp_impl(self) -> str: ...
+    @property
+    def zero(self) -> bool: ...
+
+
+def layout_from_options(options: LayoutOptions) -> Layout:
+    """The `Layout` that the train, inspect and plan commands' options name.
+
+    **Arguments:**
+
+    - `options`: `LayoutOptions` (parsed flags, or the application's run configuration).
+
+    **Returns:**
+
+    The `Layout` (not yet resolved: `Layout.resolve` checks it).
+    """
     return Layout(
         options.layout,
         sequence_parallel=options.sequence_parallel,
@@ -210,3 +316,25 @@ def layout_from_options(options: Any) -> Layout:
         cp_impl=options.cp_impl,
         zero=options.zero,
     )
+
+
+def resolve_layout(layout: Layout | ResolvedLayout, num_devices: int | None = None) -> ResolvedLayout:
+    """`layout` resolved for `num_devices`, or as it is if it already is.
+
+    **Arguments:**
+
+    - `layout`: a `Layout` or a `ResolvedLayout`.
+    - `num_devices`: the devices it fills. Default: the layout's own size (the product
+      of its axis sizes: the analytical reports need no devices), or all of JAX's
+      devices when an axis is `-1`.
+
+    **Returns:**
+
+    The `ResolvedLayout`.
+    """
+    if isinstance(layout, ResolvedLayout):
+        return layout
+    fills = any(part.partition("=")[2].strip() == "-1" for part in layout.spec.split(","))
+    if num_devices is None and not fills:
+        num_devices = math.prod(parse_layout(layout.spec, sys.maxsize).values())
+    return layout.resolve(num_devices)

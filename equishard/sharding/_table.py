@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,50 @@ def param_table(tree: PyTree, mesh: Mesh | AbstractMesh) -> list[ParamRow]:
     return rows
 
 
+def format_param_rows(
+    rows: Sequence[ParamRow],
+    width: int | None = None,
+    *,
+    block_shapes: bool = False,
+    digits: int = 2,
+    total: bool = True,
+) -> str:
+    """`ParamRow`s as aligned text: path, global shape, dtype, spec, bytes per device.
+
+    The one renderer of a parameter table: `format_param_table` and the report's
+    parameter section (`equishard.report.format_report`) both print through it.
+
+    **Arguments:**
+
+    - `rows`: the rows (`param_table`).
+    - `width`: the most columns a line takes (`None`: no limit; see `text_table`).
+    - `block_shapes`: add the shape of one device's block ("per device").
+    - `digits`: decimals of the byte counts.
+    - `total`: end with a total row of the bytes per device.
+
+    **Returns:**
+
+    The table as a string.
+    """
+    header = ("parameter", "global shape", "dtype", "spec") + (("per device",) if block_shapes else ()) + ("bytes/device",)
+    body = [
+        (
+            r.path,
+            "x".join(map(str, r.shape)) or "()",
+            r.dtype,
+            str(r.spec).removeprefix("PartitionSpec"),
+            *(("x".join(map(str, r.local_shape)) or "()",) if block_shapes else ()),
+            human_bytes(r.bytes_per_device, digits=digits),
+        )
+        for r in rows
+    ]
+    last = None
+    if total:
+        per_device = sum(r.bytes_per_device for r in rows)
+        last = ("total", *("" for _ in header[1:-1]), human_bytes(per_device, digits=digits))
+    return text_table(header, body, last, width=width)
+
+
 def format_param_table(tree: PyTree, mesh: Mesh) -> str:
     """The sharding table of `tree` on `mesh` as aligned text, with a total line.
 
@@ -83,23 +128,11 @@ def format_param_table(tree: PyTree, mesh: Mesh) -> str:
     A multi-line string: path, global shape, dtype, spec, per-device shape and bytes.
     """
     rows = param_table(tree, mesh)
-    header = ("parameter", "global shape", "dtype", "spec", "per device", "bytes/device")
-    body = [
-        (
-            r.path,
-            "x".join(map(str, r.shape)) or "()",
-            r.dtype,
-            str(r.spec).removeprefix("PartitionSpec"),
-            "x".join(map(str, r.local_shape)) or "()",
-            human_bytes(r.bytes_per_device, digits=1),
-        )
-        for r in rows
-    ]
     total = sum(r.total_bytes for r in rows)
     per_device = sum(r.bytes_per_device for r in rows)
     axes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
     return (
-        text_table(header, body)
+        format_param_rows(rows, block_shapes=True, digits=1, total=False)
         + f"\n{len(rows)} arrays, {human_bytes(total, digits=1)} in all, "
         f"{human_bytes(per_device, digits=1)} per device on mesh ({axes})."
     )

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..._errors import LayerConfigError
+from ..._names import CONTIGUOUS
 from .._collectives import (
     AxisName,
     axis_tuple,
@@ -75,7 +76,7 @@ def alltoall_attention(
     def gather(x):  # i32[..., S/cp] -> i32[..., S]
         return None if x is None else jax.lax.all_gather(x, axes, axis=x.ndim - 1, tiled=True)
 
-    if not (default and layout == "contiguous"):
+    if not (default and layout == CONTIGUOUS):
         if q_positions is None:
             q_positions = context_positions(q.shape[-3], axis_name, layout=layout)
         if kv_positions is None:

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int
 
 from ..._axes import cast_varying
 from ..._errors import LayerConfigError
+from ..._names import ZIGZAG
 from .._collectives import (
     AxisName,
     combined_axis_size,
@@ -138,7 +139,7 @@ def _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_se
 
 def _ring_blocks(local_len: int, block_size: int, layout: str) -> int:
     """The kernel's block size on a device: at most one zigzag chunk, so chunks never share a block."""
-    chunk = local_len // 2 if layout == "zigzag" else local_len
+    chunk = local_len // 2 if layout == ZIGZAG else local_len
     return max(1, min(block_size, chunk))
 
 

@@ -11,18 +11,17 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from ..._errors import LayerConfigError
+from ..._names import CONTIGUOUS, SEQUENCE_ORDERS
 from .._collectives import (
     AxisName,
     axis_tuple,
     combined_axis_size,
 )
 
-_LAYOUTS = ("contiguous", "zigzag")
-
 
 def _check_layout(name: str, layout: str) -> None:
-    if layout not in _LAYOUTS:
-        raise LayerConfigError(f"{name}: layout={layout!r}; expected one of {_LAYOUTS}.")
+    if layout not in SEQUENCE_ORDERS:
+        raise LayerConfigError(f"{name}: layout={layout!r}; expected one of {SEQUENCE_ORDERS}.")
 
 
 def zigzag_indices(seq_len: int, cp: int) -> np.ndarray:
@@ -105,7 +104,7 @@ def context_positions(local_len: int, axis_name: AxisName, *, layout: str = "con
     _check_layout("context_positions", layout)
     n = combined_axis_size(axis_name)
     i = jax.lax.axis_index(axis_tuple(axis_name))
-    if layout == "contiguous":
+    if layout == CONTIGUOUS:
         return i * local_len + jnp.arange(local_len, dtype=jnp.int32)
     if local_len % 2:
         raise LayerConfigError(

@@ -1,0 +1,265 @@
+"""The reference GPT's training under a layout, built once for every caller.
+
+`gpt_training` wires the GPT to `make_train_step` for a resolved layout: the model's
+constructor, the loss (the parameters cast to the compute dtype), the initial state
+(mesh-invariant, the optimizer state split under ZeRO) and the train step. `equishard
+train` runs it (the application's `Run`); `abstract_train_step` lowers the same step from
+shapes alone for a mesh of any size, nothing allocated or run, so a 2048-device mesh of
+a 70B-parameter model compiles on a laptop's simulated CPU devices; `gpt_report`
+compiles it and reads the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jaxtyping import PRNGKeyArray
+
+from .._errors import LayerConfigError, MeshError
+from ..report._internal import abstract_state, lower_from_shapes
+from ..sharding import Layout, ResolvedLayout
+from ..sharding._internal import resolve_layout
+from ..train import TrainState, TrainStep, init_train_state, make_train_step
+from ._gpt import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
+
+__all__ = [
+    "AbstractStep",
+    "GPTTraining",
+    "abstract_train_step",
+    "check_gpt_layout",
+    "gpt_training",
+    "preset",
+]
+
+
+def preset(name: str) -> GPTConfig:
+    """The `GPTConfig` of a preset name from `equishard.models.PRESETS`.
+
+    **Raises:**
+
+    `LayerConfigError` naming the known presets.
+    """
+    if name not in PRESETS:
+        raise LayerConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTTraining:
+    """The reference GPT's training under a layout (see `gpt_training`).
+
+    **Fields:**
+
+    - `make_model`: `key -> GPT`, the model under the layout, its floating arrays in the
+      parameter dtype.
+    - `loss_fn`: `(model, batch, key) -> (loss, metrics)`, the GPT's loss with the
+      parameters cast to the compute dtype (`key` `None`: no dropout, as in evaluation).
+    - `init_state`: `key -> TrainState`, the initial state born sharded on the mesh
+      (mesh-invariant; the optimizer state split under ZeRO).
+    - `step`: the `TrainStep` (`state, batch -> state, metrics`).
+    """
+
+    make_model: Callable[[PRNGKeyArray], GPT]
+    loss_fn: Callable[[GPT, Any, Any], Any]
+    init_state: Callable[[PRNGKeyArray], TrainState]
+    step: TrainStep
+
+
+def gpt_training(
+    config: GPTConfig,
+    layout: ResolvedLayout,
+    mesh: Mesh,
+    optimizer: optax.GradientTransformation,
+    *,
+    grad_accum: int = 1,
+    clip_norm: float | None = None,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    mixed_precision: bool = False,
+) -> GPTTraining:
+    """Wire the reference GPT to `make_train_step` under a resolved layout.
+
+    **Arguments:**
+
+    - `config`: the model's `GPTConfig`.
+    - `layout`: the `ResolvedLayout` (`Layout.resolve`): the model's `Parallelism`, the
+      batch's spec and the optimizer state's split.
+    - `mesh`: the mesh of that layout (`layout.mesh(devices)`).
+    - `optimizer`: the optax optimizer.
+    - `grad_accum`, `clip_norm`: `make_train_step`'s accumulation micro-steps and
+      global-norm clipping threshold (`None`: no clipping).
+    - `dtype`: the compute dtype: the loss casts the parameters to it (`equishard train
+      --dtype`).
+    - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
+      in.
+    - `mixed_precision`: the step casts to `dtype` (`make_train_step(compute_dtype=dtype)`:
+      FSDP gathers in `dtype`, gradients reduced in float32) rather than the loss
+      function (gathers and reductions in `dtype`); `equishard train` sets it.
+
+    **Returns:**
+
+    A `GPTTraining`.
+    """
+    par = layout.parallelism
+
+    def make_model(key: PRNGKeyArray) -> GPT:
+        return cast_floating(GPT(config, par, key=key), param_dtype)
+
+    def loss_fn(model: GPT, batch: Any, key: Any) -> Any:
+        return cast_floating(model, dtype).loss(batch, key)
+
+    def init_state(key: PRNGKeyArray) -> TrainState:
+        return init_train_state(
+            make_model, optimizer, key, mesh=mesh, zero=layout.zero,
+            zero_min_weight_size=par.fsdp_min_weight_size,
+        )  # fmt: skip
+
+    by_step = mixed_precision and jnp.dtype(dtype) != jnp.dtype(param_dtype)
+    step = make_train_step(
+        (lambda model, batch, key: model.loss(batch, key)) if by_step else loss_fn,
+        optimizer,
+        mesh=mesh,
+        batch_spec=layout.batch_spec,
+        grad_accum=grad_accum,
+        clip_norm=clip_norm,
+        zero=layout.zero,
+        zero_min_weight_size=par.fsdp_min_weight_size,
+        compute_dtype=dtype if by_step else None,
+    )
+    return GPTTraining(make_model, loss_fn, init_state, step)
+
+
+def check_gpt_layout(
+    config: GPTConfig, layout: Layout | ResolvedLayout, num_devices: int, batch_size: int, seq_len: int
+) -> None:
+    """Check, before anything is traced, that a GPT step fits the layout and devices.
+
+    The layout must use exactly `num_devices`; the batch must split over the data axes
+    and the pipeline's micro-batches; the model must divide by the tensor, expert and
+    pipeline axes (the model's own checks, run on its shapes).
+
+    **Raises:**
+
+    `MeshError` or `LayerConfigError`, with the numbers involved.
+    """
+    layout = resolve_layout(layout, num_devices)
+    if layout.num_devices != num_devices:
+        raise MeshError(
+            f"layout {layout.spec!r} uses {layout.num_devices} devices but {num_devices} were "
+            f"asked for; the product of the axis sizes must equal the number of devices."
+        )
+    if batch_size < 1 or seq_len < 1:
+        raise LayerConfigError("the batch size and sequence length must be at least 1.")
+    data = layout.data_parallel_size
+    if batch_size % data:
+        raise LayerConfigError(
+            f"the batch of {batch_size} sequences does not split over the {data} ways the "
+            f"layout {layout.spec!r} splits the batch; use a multiple of {data}."
+        )
+    micro = layout.num_microbatches
+    if (batch_size // data) % micro:
+        raise LayerConfigError(
+            f"the per-device batch of {batch_size // data} sequences does not divide into "
+            f"{micro} pipeline micro-batches."
+        )
+    par = layout.parallelism
+    check_context_split(par, seq_len)
+    mesh = jax.sharding.AbstractMesh(par.sizes, par.axes)
+    with jax.sharding.use_abstract_mesh(mesh):
+        eqx.filter_eval_shape(lambda: GPT(config, par, key=jax.random.key(0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractStep:
+    """A lowered GPT train step and what it was built from (see `abstract_train_step`).
+
+    **Fields:**
+
+    - `lowered`: the `jax.stages.Lowered` program (`state, batch -> state, metrics`,
+      the state donated).
+    - `state`: the `TrainState` of `ShapeDtypeStruct`s it was lowered for.
+    - `mesh`: the mesh.
+    - `config`, `layout`, `batch_size`, `seq_len`: what was asked for (the layout
+      resolved).
+    - `lower_seconds`: the time tracing and lowering took.
+    """
+
+    lowered: Any
+    state: TrainState
+    mesh: Mesh
+    config: GPTConfig
+    layout: ResolvedLayout
+    batch_size: int
+    seq_len: int
+    lower_seconds: float
+
+
+def abstract_train_step(
+    config: GPTConfig,
+    layout: Layout | ResolvedLayout,
+    *,
+    batch_size: int,
+    seq_len: int,
+    optimizer: optax.GradientTransformation,
+    clip_norm: float | None = None,
+    devices: list | None = None,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+) -> AbstractStep:
+    """Lower the real GPT train step for `layout` without creating any array.
+
+    **Arguments:**
+
+    - `config`: the model's `GPTConfig`.
+    - `layout`: the `Layout` (or one already resolved); its size must equal the number
+      of `devices`.
+    - `batch_size`, `seq_len`: the global batch in sequences, and their length.
+    - `optimizer`: the optax optimizer (its state's shapes and specs, and its update,
+      are part of the step).
+    - `clip_norm`: the global-norm clipping threshold of `make_train_step` (`None`:
+      no clipping).
+    - `devices`: the devices of the mesh (default: all of JAX's devices).
+    - `dtype`: the compute dtype: the loss casts the parameters to it, as
+      `equishard train --dtype` does.
+    - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
+      in.
+    - `mixed_precision`: the step casts to `dtype` (`make_train_step(compute_dtype=dtype)`:
+      FSDP gathers in `dtype`, gradients reduced in float32) rather than the loss
+      function (gathers and reductions in `dtype`); `equishard train` sets it.
+
+    **Returns:**
+
+    An `AbstractStep`; `.lowered.compile()` compiles it.
+
+    **Raises:**
+
+    `MeshError` / `LayerConfigError` (see `check_gpt_layout`) before tracing.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    resolved = resolve_layout(layout, len(devices))
+    check_gpt_layout(config, resolved, len(devices), batch_size, seq_len)
+    start = time.perf_counter()
+    mesh = resolved.mesh(devices)
+    training = gpt_training(
+        config, resolved, mesh, optimizer, clip_norm=clip_norm, dtype=dtype, param_dtype=param_dtype
+    )
+    state = abstract_state(lambda: training.init_state(jax.random.key(0)), mesh)
+    sharding = NamedSharding(mesh, resolved.batch_spec)
+    batch: Any
+    if resolved.parallelism.context:  # inputs, labels and positions [B, S], split over cp too
+        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
+        batch = {"inputs": tokens, "labels": tokens, "positions": tokens}
+    else:
+        batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=sharding)
+    lowered = lower_from_shapes(training.step, state, batch)
+    return AbstractStep(
+        lowered, state, mesh, config, resolved, batch_size, seq_len, time.perf_counter() - start
+    )
