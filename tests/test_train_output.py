@@ -249,6 +249,7 @@ def test_profile_writes_a_trace_of_the_steps_asked_for(tiny_run):
     *_, run_dir = tiny_run
     traces = list((run_dir / "profile").glob("plugins/profile/*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert list(traces[0].parent.glob("*.trace.json.gz"))  # Perfetto's
 
 
 @pytest.mark.parametrize(

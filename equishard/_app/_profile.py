@@ -55,7 +55,7 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         if self.steps is not None and step == self.steps[0]:
-            jax.profiler.start_trace(str(self.path))
+            jax.profiler.start_trace(str(self.path), create_perfetto_trace=True)
             self.tracing = True
 
     def after(self, step: int, outputs: Any) -> None:
