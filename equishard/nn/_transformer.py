@@ -22,7 +22,6 @@ block on its global parameters.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -104,52 +103,17 @@ class RMSNorm(eqx.Module):
 
         The normalised `[..., dim]`, in `x`'s dtype.
         """
-        weight = None
+        compute = jnp.promote_types(x.dtype, jnp.float32)
+        h = x.astype(compute)
+        inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = h * inv
         if self.weight is not None:
-            # Vary the weight like `x` before broadcasting it, so that the gradient's sum
-            # over the axes `x` varies over is one all-reduce of `f32[dim]` (not of the
+            # Vary the weight like `h` before broadcasting it, so that the gradient's sum
+            # over the axes `h` varies over is one all-reduce of `f32[dim]` (not of the
             # broadcast `f32[..., dim]`, as JAX's automatic cast after the broadcast gives).
-            weight = cast_varying(value_of(self.weight), varying_axes(x))
-        return _rms_norm(x, weight, self.eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
-    """`x / sqrt(mean(x**2) + eps) * weight` over the last dimension, in float32 at least,
-    returned in `x`'s dtype. Its backward pass keeps `x` and the inverse RMS
-    (`f32[..., 1]`) only: no float32 copy of the activations, no broadcast weight."""
-    return _rms_norm_fwd(x, weight, eps)[0]
-
-
-def _normalised(x: Array, inv: Array) -> Array:
-    # bf16[..., D] -> f32[..., D]
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32)) * inv
-
-
-def _rms_norm_fwd(x: Array, weight: Array | None, eps: float) -> tuple[Array, Any]:
-    h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)  # f32[..., 1]
-    h = h * inv
-    if weight is not None:
-        h = h * jnp.broadcast_to(weight.astype(h.dtype), h.shape)
-    return h.astype(x.dtype), (x, inv, weight)
-
-
-def _rms_norm_bwd(eps: float, residuals: Any, dy: Array) -> tuple[Array, Array | None]:
-    x, inv, weight = residuals
-    h = _normalised(x, inv)  # f32[..., D], recomputed
-    g = dy.astype(h.dtype)
-    dweight = None
-    if weight is not None:
-        # f32[..., D] -> f32[D]: summed over every token this device holds.
-        dweight = jnp.sum(g * h, axis=tuple(range(h.ndim - 1))).astype(weight.dtype)
-        g = g * jnp.broadcast_to(weight.astype(h.dtype), g.shape)
-    # d/dx of x * inv(x): inv * (g - h * mean(g * h)).
-    dx = inv * (g - h * jnp.mean(g * h, axis=-1, keepdims=True))
-    return dx.astype(x.dtype), dweight
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+            weight = cast_varying(value_of(self.weight).astype(compute), varying_axes(h))
+            h = h * jnp.broadcast_to(weight, h.shape)
+        return h.astype(x.dtype)
 
 
 def rotary_embedding(
@@ -210,15 +174,12 @@ def _rotate(x: Float[Array, "... seq heads head_dim"], cos: Array, sin: Array) -
     """`x` rotated by the table `(cos, sin)` of `_rotary_table` (or `_table_for`'s),
     same shape and dtype."""
     half = x.shape[-1] // 2
-    if cos.shape != (*x.shape[:-1], half):
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    if cos.shape != x1.shape:
         cos, sin = _table_for(x, cos, sin)
-    # bf16[..., hd] -> f32[..., 2, hd/2]: the halves (x1, x2), and swapped (x2, x1). One
-    # elementwise pass writes (x1 cos - x2 sin, x2 cos + x1 sin), with no concatenation.
-    pairs = x.reshape(*x.shape[:-1], 2, half).astype(jnp.float32)
-    sign = jnp.array([-1.0, 1.0], jnp.float32).reshape((1,) * (pairs.ndim - 2) + (2, 1))
-    swapped = jnp.flip(pairs, axis=-2) * sign  # (-x2, x1)
-    out = pairs * cos[..., None, :] + swapped * sin[..., None, :]
-    return out.reshape(x.shape).astype(x.dtype)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
 
 
 def causal_attention(
