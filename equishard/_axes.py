@@ -115,7 +115,7 @@ def varying_axes(x: Any) -> frozenset[str]:
     returns). JAX records the axes as `aval.vma` in some versions and
     `aval.manual_axis_type.varying` in others; both are read.
     """
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._axes import vmap_names
+from .._axes import is_bound, vmap_names
 from .._errors import LayerConfigError
 
 
@@ -78,7 +78,9 @@ def example_mean(
     """
     names = _names(axis_name)
     levels = vmap_names(x)
-    missing = [n for n in names if n not in levels]
+    # A name bound here that batches nothing of `x` (a function traced once unbatched,
+    # as `custom_vmap` traces its own) has nothing to average over.
+    missing = [n for n in names if n not in levels and not (isinstance(n, str) and is_bound(n))]
     if missing:
         raise LayerConfigError(
             f"batch statistics over the axis {missing[0]!r}: no `jax.vmap(..., "
