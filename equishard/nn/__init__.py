@@ -30,7 +30,9 @@ from ._linear import (
 from ._moe import MoE as MoE, MoEAux as MoEAux
 from ._parallelize import (
     ColwiseParallel as ColwiseParallel,
+    DropoutParallel as DropoutParallel,
     EmbeddingParallel as EmbeddingParallel,
+    GuardedDropout as GuardedDropout,
     HeadParallel as HeadParallel,
     Replicate as Replicate,
     RowwiseParallel as RowwiseParallel,
