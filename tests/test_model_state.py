@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.train import Checkpointer, init_train_state, make_train_step
 
-from .helpers import FAST_COMPILE, assert_tree_allclose, rel_err
+from .helpers import FAST_COMPILE, assert_tree_allclose, fast_jit, rel_err
 
 BATCH, STEPS, DATA_SHARDS = 16, 10, 8
 LAYOUTS = ["dp=8", "fsdp=8", "dp=4,fsdp=2"]
@@ -93,9 +93,20 @@ def _membership(batch):
 OPTIMIZER = optax.adamw(3e-3)
 
 
+@functools.cache
+def _cnn():
+    """`eqx.nn.make_with_state(CNN)(key=fold_in(key(0), 0))`, what `init_train_state`
+    builds from `jax.random.key(0)`, initialised once (compiling the random-number
+    kernels of an initialisation takes seconds on XLA:CPU); every layout starts from it."""
+    return fast_jit(lambda k: eqx.nn.make_with_state(CNN)(key=jax.random.fold_in(k, 0)))(jax.random.key(0))
+
+
 def make_model(layout):
+    built = _cnn()  # outside the trace of `make`
+
     def make(key):
-        model, state = eqx.nn.make_with_state(CNN)(key=key)
+        del key  # the arrays are `_cnn()`'s
+        model, state = built
         if "fsdp" in es.parse_layout(layout):
             model = es.nn.fsdp_wrap(model, "fsdp", policy=lambda path, m: path == "block")
         return model, state
@@ -161,12 +172,14 @@ def test_batch_norm_with_micro_batches_matches_one_device_with_the_same_membersh
 def _per_device_reference():
     """A plain-Equinox loop on one device whose batch norms see each of 8 devices'
     examples apart; the running statistics kept are their mean over the devices."""
-    model, state = eqx.nn.make_with_state(CNN)(key=jax.random.fold_in(jax.random.key(0), 0))
+    model, state = _cnn()
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
     loss_fn = make_loss(())
+    params, static = eqx.partition(model, eqx.is_array)
 
-    @eqx.filter_jit
-    def step(model, state, opt_state, batch):
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def step(params, state, opt_state, batch):
+        model = eqx.combine(params, static)
         def loss(model):
             shards = jax.tree.map(lambda x: x.reshape(DATA_SHARDS, -1, *x.shape[1:]), batch)
             per = jax.vmap(lambda b: loss_fn(model, state, b, None), out_axes=(0, (0, 0)))(shards)
@@ -175,13 +188,13 @@ def _per_device_reference():
 
         (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
         updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return eqx.apply_updates(model, updates), state, opt_state, value
+        return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), state, opt_state, value
 
     losses = []
     for batch in _batches()[:STEPS]:
-        model, state, opt_state, value = step(model, state, opt_state, batch)
+        params, state, opt_state, value = step(params, state, opt_state, batch)
         losses.append(float(value))
-    return model, state, losses
+    return eqx.combine(params, static), state, losses
 
 
 def test_per_device_batch_statistics_equal_a_per_device_reference():
