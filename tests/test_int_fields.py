@@ -124,3 +124,14 @@ def test_integer_and_boolean_fields_round_trip_a_checkpoint(tmp_path):
         restored = ckpt.restore(like, mesh=es.make_mesh("fsdp=8"))
     assert_tree_allclose(_plain(restored.model), _plain(state.model), rtol=0)
     assert bool((np.asarray(_plain(restored.model).mask) == np.asarray(_plain(state.model).mask)).all())
+
+
+def test_warnings_point_at_the_users_line():
+    mesh = es.make_mesh("fsdp=8")
+    model = {"small": eqx.nn.Linear(4, 4, key=jax.random.key(0))}
+    with pytest.warns(UserWarning, match="splits 0 of the") as record:
+        es.nn.fsdp_wrap(model, "fsdp", policy=lambda path, m: path == "['small']", mesh=mesh)  # this line
+    assert record[0].filename == __file__, record[0].filename
+    with pytest.warns(UserWarning, match="splits 0 of the") as record:
+        es.nn.FSDP(eqx.nn.Linear(4, 4, key=jax.random.key(0)), "fsdp", mesh=mesh)
+    assert record[0].filename == __file__, record[0].filename

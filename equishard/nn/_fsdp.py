@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from jaxtyping import PyTree
 
 from .._axes import vmap_names
 from .._errors import LayerConfigError
+from .._warn import warn
 from ..sharding import (
     fsdp_split_params,
     is_array_like,
@@ -334,13 +334,11 @@ def _split_fraction(module: PyTree, axis_name: str) -> tuple[int, int]:
 def _warn_if_little_is_split(module: PyTree, axis_name: str, min_weight_size: int) -> None:
     split, total = _split_fraction(module, axis_name)
     if total and split < total / 2:
-        warnings.warn(
+        warn(
             f"FSDP over {axis_name!r} splits {split} of the {total} parameter bytes of "
             f"{type(module).__name__} (min_weight_size={min_weight_size}); the rest stays "
             f"replicated on every device. Lower min_weight_size, or check that the "
-            f"arrays' dimensions divide by the axis size.",
-            stacklevel=3,
-        )
+            f"arrays' dimensions divide by the axis size.")
 
 
 WrapPolicy = type | tuple[type, ...] | str | Callable[[str, Any], bool]

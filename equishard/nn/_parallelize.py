@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +28,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from .._axes import axis_size, is_bound, varying_axes
 from .._errors import EquishardError, LayerConfigError, SpecError
 from .._text import first_line
+from .._warn import warn
 from ..core import bernoulli_block
 from ..sharding import Sharded, filter_shard_map
 from ..sharding._internal import compile_pattern, is_tracer, map_modules
@@ -609,7 +609,7 @@ def _report_unused(model: PyTree, compiled: list[tuple[re.Pattern[str], Style]],
     )
     if strict:
         raise SpecError(message)
-    warnings.warn(message, stacklevel=3)
+    warn(message)
 
 
 def _is_traced(tree: PyTree) -> bool:
