@@ -13,11 +13,11 @@ import jaxtyping
 # Frames in these packages are not the user's: equishard's own, and those of the
 # libraries its calls pass through (Equinox's module construction, JAX's tracing,
 # jaxtyping's and beartype's checking wrappers, whose frames are named `<@beartype...`).
-_INTERNAL = tuple(
-    os.path.dirname(module.__file__) + os.sep
-    for module in (sys.modules[__package__], equinox, jax, jaxtyping)  # type: ignore[arg-type]
-    if module.__file__ is not None
-) + ("<@beartype",)
+_INTERNAL = (
+    os.path.dirname(__file__) + os.sep,  # equishard
+    *(os.path.dirname(m.__file__) + os.sep for m in (equinox, jax, jaxtyping) if m.__file__ is not None),
+    "<@beartype",
+)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.train import Checkpointer, init_train_state, make_train_step
+from equishard.train import Checkpointer, export_model, import_model, init_train_state, make_train_step
 
 from .helpers import FAST_COMPILE, assert_tree_allclose, fast_jit, rel_err
 
@@ -242,11 +242,11 @@ def test_inference_on_the_gathered_model_equals_one_devices(tmp_path):
     out = _infer(plain, model_state, x)
     assert rel_err(out, _infer(es.unbox(es.gather(ref_state.model)), es.gather(ref_state.model_state), x)) <= 1e-5
     # exported beside the parameters, read back by plain Equinox
-    path = es.train.export_model(state.model, tmp_path / "cnn", state=state.model_state)
+    path = export_model(state.model, tmp_path / "cnn", state=state.model_state)
     like = eqx.nn.make_with_state(CNN)(key=jax.random.key(1))
     model_back, state_back = eqx.tree_deserialise_leaves(path, like)
     assert rel_err(_infer(model_back, state_back, x), out) == 0
-    assert_tree_allclose(es.train.import_model(path, like), (plain, model_state), rtol=0)
+    assert_tree_allclose(import_model(path, like), (plain, model_state), rtol=0)
 
 
 def test_a_non_finite_batch_leaves_the_running_statistics():
@@ -322,3 +322,48 @@ def test_a_metric_that_is_not_a_scalar_is_refused_by_name():
     step = make_train_step(loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P("dp"), view="global")
     with pytest.raises(es.TrainStepError, match="metric 'logits' is float32\\[3\\], not a scalar"):
         step.lower(_init("dp=8"), _batches()[0])
+
+
+class Spectral(eqx.Module):
+    """A layer under `eqx.nn.SpectralNorm`, whose state (power-iteration vectors) is
+    computed from the weight alone."""
+
+    layer: eqx.nn.SpectralNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.layer = eqx.nn.SpectralNorm(eqx.nn.Linear(8, 16, key=k1), "weight", key=k2)
+        self.head = eqx.nn.Linear(16, 1, key=k3)
+
+    def __call__(self, x, state):
+        h, state = self.layer(x, state)
+        return self.head(jnp.tanh(h))[0], state
+
+
+def _spectral_losses(layout):
+    mesh = es.make_mesh(layout)
+    axes = data_axes(mesh)
+
+    def loss_fn(model, state, batch, key):
+        x, y = batch
+        pred, state = jax.vmap(model, in_axes=(0, None), out_axes=(0, None), axis_name="batch")(x, state)
+        return jax.lax.pmean(jnp.mean((pred - y) ** 2), axes), ({}, state)
+
+    make = lambda k: eqx.nn.make_with_state(Spectral)(key=k)  # noqa: E731
+    state = init_train_state(make, OPTIMIZER, jax.random.key(0), mesh=mesh)
+    step = make_train_step(loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(axes), compiler_options=FAST_COMPILE)
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(4):
+        batch = (rng.normal(size=(BATCH, 8)).astype(np.float32), rng.normal(size=BATCH).astype(np.float32))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def test_spectral_norm_trains_as_on_one_device():
+    state, losses = _spectral_losses("dp=8")
+    ref_state, reference = _spectral_losses("dp=1")
+    _assert_curve(losses, reference)
+    assert_tree_allclose(state.model_state, ref_state.model_state)

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "equishard"
 # `report` reads the reference GPT's train step (`gpt_report`, `gpt_minimum`,
 # `gpt_memory`), so it sits above `models` and `train`: nothing below imports it.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "_text", "_version"),
+    ("_errors", "_text", "_version", "_warn"),
     ("_axes", "_env"),
     ("core", "sharding", "distributed"),
     ("nn",),

@@ -28,7 +28,8 @@ from ..core import global_index
 from ..nn import sync_batch_norms
 from ..sharding._internal import is_spec
 
-LossFn = Callable[..., tuple[Array, dict[str, Array]]]
+LossFn = Callable[..., tuple[Array, dict[str, Array]] | tuple[Array, tuple[dict[str, Array], Any]]]
+"""`(loss, metrics)`, or for a model with a state `(loss, (metrics, new_state))`."""
 
 _CONTRACT = (
     "loss_fn(model, batch, key) must return (loss, metrics): loss the global mean "
