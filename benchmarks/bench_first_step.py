@@ -22,9 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one(route: str) -> dict[str, float]:
-    """In this process: the seconds of init and of compile by `route` (`plain`, `equishard`)."""
+    """In this process: the seconds of init and of compile by `route` (`plain`, `equishard`),
+    and of JAX's phases over both (tracing, lowering, XLA's compile: `jax.monitoring`)."""
     t0 = time.perf_counter()
     import jax
+
+    phases: dict[str, float] = {}
+
+    def record(event: str, seconds: float, **_: object) -> None:
+        if event.startswith("/jax/core/compile/"):
+            name = event.removeprefix("/jax/core/compile/")
+            phases[name] = phases.get(name, 0.0) + seconds
+
+    jax.monitoring.register_event_duration_secs_listener(record)
     import numpy as np
     import optax
 
@@ -68,7 +78,7 @@ def one(route: str) -> dict[str, float]:
         initialised = time.perf_counter()
         make_train_step(scope["vit_loss"](("dp",)), optimizer, mesh=mesh, batch_spec=P("dp")).compile(state, batch)
     compiled = time.perf_counter()
-    return {"import": imported - t0, "init": initialised - imported, "compile": compiled - initialised}
+    return {"import": imported - t0, "init": initialised - imported, "compile": compiled - initialised, **phases}
 
 
 def main() -> None:
@@ -93,6 +103,9 @@ def main() -> None:
         print(f"{route:10} init {medians[route]['init']:.2f} s  compile {medians[route]['compile']:.2f} s  "
               f"init+compile {total:.2f} s  (median of {len(runs)}: "
               + ", ".join(f"{r['init'] + r['compile']:.2f}" for r in runs) + ")")  # fmt: skip
+    for route, runs in results.items():
+        names = sorted({k for r in runs for k in r} - {"import", "init", "compile"})
+        print(f"{route:10} JAX phases (median s):", ", ".join(f"{k} {statistics.median(r.get(k, 0.0) for r in runs):.2f}" for k in names))
     plain = statistics.median(r["init"] + r["compile"] for r in results["plain"])
     ours = statistics.median(r["init"] + r["compile"] for r in results["equishard"])
     print(f"equishard / plain: {ours / plain:.2f}")
