@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.core import example_keys
 from equishard.train import init_train_state, make_train_step
+
 # --8<-- [end:cnn-setup]
 
 
