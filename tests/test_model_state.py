@@ -20,7 +20,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import equishard as es
-from equishard.train import Checkpointer, export_model, import_model, init_train_state, make_train_step
+from equishard.train import (
+    Checkpointer,
+    export_model,
+    import_model,
+    init_train_state,
+    make_train_step,
+)
 
 from .helpers import FAST_COMPILE, assert_tree_allclose, fast_jit, rel_err
 
