@@ -13,6 +13,7 @@ train that copy by itself): three compiles per layout become one.
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 
 import equinox as eqx
 import jax
@@ -51,7 +52,7 @@ class Masked(eqx.Module):
         return self.second(h)[0] / self.scale
 
 
-OPTIMIZERS = {
+OPTIMIZERS: dict[Hashable, optax.GradientTransformation] = {
     "adamw": optax.adamw(1e-2),
     "lamb": optax.lamb(1e-2),
     "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=32),
@@ -80,7 +81,7 @@ def loss_for(axis):
     def loss_fn(models, batch, key):
         x, y = batch
         losses = {name: jax.lax.pmean(jnp.mean((jax.vmap(m)(x) - y) ** 2), axis) for name, m in models.items()}
-        return sum(losses.values()), losses
+        return jnp.sum(jnp.stack(list(losses.values()))), losses
 
     return loss_fn
 
@@ -101,7 +102,7 @@ def _train(layout):
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)
-        losses.append({name: float(metrics[name]) for name in OPTIMIZERS})
+        losses.append({name: float(metrics[str(name)]) for name in OPTIMIZERS})
     return state, losses
 
 
