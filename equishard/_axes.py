@@ -5,6 +5,7 @@
   `shard_map` over it) and its size.
 - `varying_axes`, `mesh_ordered`, `cast_varying`: the varying-manual-axes types of
   `shard_map` (read, and cast to varying in the mesh's axis order).
+- `vmap_names`: the `vmap`s that batch a value, innermost first, by their axis names.
 - `spec_divisors`, `local_shape`, `global_shape`, `bound_sizes`: the shapes of a
   `PartitionSpec`'s blocks.
 
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeAlias
 
 import jax
+from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -113,7 +115,7 @@ def varying_axes(x: Any) -> frozenset[str]:
     returns). JAX records the axes as `aval.vma` in some versions and
     `aval.manual_axis_type.varying` in others; both are read.
     """
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
@@ -148,6 +150,20 @@ def cast_varying(x: PyTree, axes: AxisName | Iterable[str]) -> PyTree:
         return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
 
     return jax.tree.map(cast, x)
+
+
+def vmap_names(x: Any) -> tuple[Any, ...]:
+    """The `axis_name`s of the `vmap`s that batch `x`, innermost first (`None`: unnamed).
+
+    Read from `x`'s batching tracers (a JAX internal: a collective over a `vmap` axis
+    cannot be bound inside a `shard_map` with the varying-axes check, so what needs one
+    reads the names here and reduces the batched array itself). Empty for an unbatched `x`.
+    """
+    names: list[Any] = []
+    while isinstance(x, BatchTracer):
+        names.append(x._trace.axis_data.name)
+        x = x.val
+    return tuple(names)
 
 
 def vma_checked(axis_name: AxisName) -> bool:

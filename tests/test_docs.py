@@ -47,7 +47,7 @@ PAGES = {
     "inspect-and-plan.md": ("inspect_and_plan.py",),
     "train-output.md": ("train_output.py",),
     "long-sequences.md": ("long_sequences.py",),
-    "your-own-model.md": ("your_own_model.py",),
+    "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py"),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -333,6 +333,25 @@ def test_your_own_model_trains_as_on_one_device():
     [restored] = floats(lines_after(out, "step 5 on dp=8 after restore")[0])
     [continued] = floats(lines_after(out, "step 5 on fsdp=4,tp=2")[0])
     assert abs(restored - continued) <= 1e-5 * abs(continued)
+
+
+def test_your_own_cnn_with_batch_norm_and_vit_under_a_plan():
+    out = run_example("your_own_cnn_and_vit.py")
+    rows = {line[:12].strip(): line for line in out.splitlines() if " losses " in line}
+    cnn = {name: floats(line.split(" losses ")[1].split(" running")[0]) for name, line in rows.items() if "running" in line}
+    assert set(cnn) == {"dp=1", "dp=8", "fsdp=8", "dp=4,fsdp=2"}
+    for name, losses in cnn.items():  # the batch statistics of the global batch on every layout
+        for a, b in zip(losses, cnn["dp=1"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b) + 1e-6, (name, losses)
+        [running] = floats(rows[name].split("running mean ")[1])
+        assert running <= 1e-5
+    per_device = floats(lines_after(out, "dp=8 per-device statistics: losses")[0])
+    assert abs(per_device[0] - cnn["dp=1"][0]) > 1e-4  # other statistics, other losses
+    assert "inference on one device: (16, 10)" in out
+    assert "the eqx.nn.Dropout at `blocks[0].mlp.drop1` acts on an activation split over 'tp'" in out
+    vit_one, vit_tp = floats(rows["one device"].split(" losses ")[1]), floats(rows["dp=4,tp=2"].split(" losses ")[1])
+    for a, b in zip(vit_tp, vit_one, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b) + 1e-6, (vit_tp, vit_one)
 
 
 def test_coming_from():

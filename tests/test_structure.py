@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "equishard"
 # on top. A module may import modules of lower floors and of its own package; packages on
 # one floor are siblings and import neither each other nor anything above.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "_names", "_text", "_version"),
+    ("_errors", "_names", "_text", "_version", "_warn"),
     ("_axes", "_env"),
     ("core", "sharding", "distributed"),
     ("nn",),

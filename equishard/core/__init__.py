@@ -16,6 +16,7 @@ from ._attention import (
     zigzag_permute as zigzag_permute,
     zigzag_unpermute as zigzag_unpermute,
 )
+from ._batch_stats import example_mean as example_mean
 from ._collectives import (
     ReduceOp as ReduceOp,
     async_gather as async_gather,

@@ -1,5 +1,6 @@
 """Equinox layers in local view, composing `equishard.core`."""
 
+from ._batch_norm import SyncBatchNorm as SyncBatchNorm, sync_batch_norms as sync_batch_norms
 from ._cross_entropy import (
     fused_cross_entropy as fused_cross_entropy,
     vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
@@ -30,7 +31,9 @@ from ._linear import (
 from ._moe import MoE as MoE, MoEAux as MoEAux
 from ._parallelize import (
     ColwiseParallel as ColwiseParallel,
+    DropoutParallel as DropoutParallel,
     EmbeddingParallel as EmbeddingParallel,
+    GuardedDropout as GuardedDropout,
     HeadParallel as HeadParallel,
     Replicate as Replicate,
     RowwiseParallel as RowwiseParallel,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,9 @@ from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
+from .._axes import vmap_names
 from .._errors import LayerConfigError
+from .._warn import warn
 from ..sharding import (
     fsdp_split_params,
     is_array_like,
@@ -183,20 +184,40 @@ def _call_unit_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
     return call(operands)
 
 
+def _is_state(x: Any) -> bool:
+    return isinstance(x, eqx.nn.State)
+
+
+def _split_states(out: Any) -> tuple[Any, Any]:
+    """`(rest, states)`: `out` with its `eqx.nn.State`s taken out, and those alone."""
+    rest = jax.tree.map(lambda x: None if _is_state(x) else x, out, is_leaf=_is_state)
+    states = jax.tree.map(lambda x: x if _is_state(x) else None, out, is_leaf=_is_state)
+    return rest, states
+
+
+def _join_states(rest: Any, states: Any) -> Any:
+    return jax.tree.map(lambda r, s: r if s is None else s, rest, states, is_leaf=lambda x: x is None or _is_state(x))
+
+
 class _OverExamples(eqx.Module):
-    """A module called on a batch of inputs, one example at a time (`jax.vmap`)."""
+    """A module called on a batch of inputs, one example at a time (`jax.vmap` named
+    `axis_name`, as the `vmap` it stands for, so that batch statistics find it). A
+    returned `eqx.nn.State` is one for the whole batch (as the `vmap`'s `out_axes=None`
+    the model's caller gives it)."""
 
     module: PyTree
     static_inputs: Any = eqx.field(static=True)
     in_axes: Any = eqx.field(static=True)
+    axis_name: Any = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         def one(dynamic: Any) -> Any:
             args, kwargs = eqx.combine(dynamic, self.static_inputs)
-            return self.module(*args, **kwargs)
+            return _split_states(self.module(*args, **kwargs))
 
         dynamic = eqx.partition((args, kwargs), eqx.is_array)[0]
-        return jax.vmap(one, in_axes=(self.in_axes,))(dynamic)
+        rest, states = jax.vmap(one, in_axes=(self.in_axes,), out_axes=(0, None), axis_name=self.axis_name)(dynamic)
+        return _join_states(rest, states)
 
 
 def _call_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
@@ -210,6 +231,10 @@ def _call_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
     """
     dynamic, static = eqx.partition(operands, eqx.is_array)
     out_static: list[Any] = []
+    # The name of the innermost `vmap` batching the operands: the one whose batching
+    # rule runs first, below.
+    names = [vmap_names(x) for x in jax.tree.leaves(operands)]
+    axis_name = next((n[0] for n in names if n), None)
 
     def arrays_of(out: Any) -> Any:
         arrays, rest = eqx.partition(out, eqx.is_array)
@@ -232,9 +257,14 @@ def _call_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
             in_axes = jax.tree.map(lambda b: 0 if b else None, (args_batched, kwargs_batched))
             static_inputs = eqx.partition((args, kwargs), eqx.is_array)[1]
             # Further `vmap`s outside this one move inside the unit too.
-            out = _call_unit_once_per_batch((_OverExamples(module, static_inputs, in_axes), args, kwargs), call)
+            over = _OverExamples(module, static_inputs, in_axes, axis_name)
+            out = _call_unit_once_per_batch((over, args, kwargs), call)
         arrays = arrays_of(out)
-        return arrays, jax.tree.map(lambda _: True, arrays)
+        # Batched, but for a returned state (one for the whole batch).
+        batched = jax.tree.map(
+            lambda x: jax.tree.map(lambda _: not _is_state(x), x), arrays, is_leaf=_is_state
+        )
+        return arrays, batched
 
     return eqx.combine(per_example(dynamic), out_static[-1])
 
@@ -304,13 +334,11 @@ def _split_fraction(module: PyTree, axis_name: str) -> tuple[int, int]:
 def _warn_if_little_is_split(module: PyTree, axis_name: str, min_weight_size: int) -> None:
     split, total = _split_fraction(module, axis_name)
     if total and split < total / 2:
-        warnings.warn(
+        warn(
             f"FSDP over {axis_name!r} splits {split} of the {total} parameter bytes of "
             f"{type(module).__name__} (min_weight_size={min_weight_size}); the rest stays "
             f"replicated on every device. Lower min_weight_size, or check that the "
-            f"arrays' dimensions divide by the axis size.",
-            stacklevel=3,
-        )
+            f"arrays' dimensions divide by the axis size.")
 
 
 WrapPolicy = type | tuple[type, ...] | str | Callable[[str, Any], bool]

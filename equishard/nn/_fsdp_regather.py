@@ -17,10 +17,7 @@ import jax.numpy as jnp
 from jax._src import config as jax_config, core as jax_core
 from jaxtyping import PyTree
 
-from .._axes import (
-    mesh_ordered,
-    varying_axes,
-)
+from .._axes import cast_varying, mesh_ordered, varying_axes
 from ..sharding import (
     is_sharded,
 )
@@ -260,10 +257,13 @@ def _call_regathering_fwd(perturbed: Any, operands: Any, config: _GatherConfig) 
 
 
 def _shapes(out: Any) -> Any:
+    """The floating outputs' shapes, dtypes and varying axes (for zero cotangents of their
+    type: a returned model state varies as the unit's input does)."""
     return jax.tree.map(
-        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype) if eqx.is_inexact_array(o) else None,
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=jax.typeof(o).manual_axis_type)
+        if eqx.is_inexact_array(o) else None,
         out,
-    )
+    )  # fmt: skip
 
 
 def _replayed_grads(
@@ -319,7 +319,7 @@ def _call_regathering_bwd(
     saved, shapes = residuals
     # Outputs that were not differentiated get a zero cotangent (integers none).
     cotangent = jax.tree.map(
-        lambda g, o: jnp.zeros(o.shape, o.dtype) if g is None and o is not None else g,
+        lambda g, o: cast_varying(jnp.zeros(o.shape, o.dtype), varying_axes(o)) if g is None and o is not None else g,
         grad_out,
         shapes,
         is_leaf=lambda g: g is None,

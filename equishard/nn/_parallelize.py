@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,9 +25,10 @@ from equinox.nn._attention import dot_product_attention
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._axes import axis_size, is_bound
+from .._axes import axis_size, is_bound, varying_axes
 from .._errors import EquishardError, LayerConfigError, SpecError
 from .._text import first_line
+from .._warn import warn
 from ..core import bernoulli_block
 from ..sharding import Sharded, filter_shard_map
 from ..sharding._internal import compile_pattern, is_tracer, map_modules
@@ -135,7 +135,22 @@ class HeadParallel:
         object.__setattr__(self, "dropout_dim", dropout_dim)
 
 
-Style = ColwiseParallel | RowwiseParallel | EmbeddingParallel | SequenceParallel | Replicate | HeadParallel
+@dataclasses.dataclass(frozen=True)
+class DropoutParallel:
+    """An `eqx.nn.Dropout` whose input is split over the axis along `dim` (e.g. after a
+    column-parallel layer, the features: `dim=-1`): it becomes a `SplitDropout`, each
+    device drawing its block of the one-device mask.
+
+    **Arguments:**
+
+    - `dim`: the dimension of the dropout's input (as the module sees it, inside the
+      model's own `vmap`s) that the axis splits.
+    """
+
+    dim: int = -1
+
+
+Style = ColwiseParallel | RowwiseParallel | EmbeddingParallel | SequenceParallel | Replicate | HeadParallel | DropoutParallel
 
 STYLE_NAMES: dict[str, Style] = {
     "column": ColwiseParallel(),
@@ -232,6 +247,50 @@ class SplitDropout(eqx.Module):
     def __unbox__(self) -> eqx.nn.Dropout:
         """The `eqx.nn.Dropout` it was made from, for `equishard.unbox`."""
         return eqx.nn.Dropout(self.p, inference=self.inference)
+
+
+class GuardedDropout(eqx.nn.Dropout):
+    """An `eqx.nn.Dropout` of a parallelised model that no plan entry converted.
+
+    On an input that does not vary over `axis_name` it is `eqx.nn.Dropout` (every
+    device draws the same, one-device mask); on an input split over `axis_name` it
+    raises a `LayerConfigError` naming its `path` when traced, instead of drawing each
+    device's block from the whole mask's key. `equishard.unbox` gives the
+    `eqx.nn.Dropout` back.
+    """
+
+    axis_name: str = eqx.field(static=True)
+    path: str = eqx.field(static=True)
+
+    def __call__(self, x: Any, *, key: Any = None, inference: bool | None = None) -> Any:
+        """As `eqx.nn.Dropout.__call__`; raises on an input split over `axis_name`."""
+        active = not (self.inference if inference is None else inference)
+        if active and is_bound(self.axis_name) and self.axis_name in varying_axes(x):
+            pattern = re.escape(self.path)
+            raise LayerConfigError(
+                f"parallelize: the eqx.nn.Dropout at `{self.path}` acts on an activation split "
+                f"over {self.axis_name!r} (local shape {tuple(x.shape)}): each device would draw "
+                f"its block's mask from the whole mask's key, not its block of the one-device "
+                f"mask. Add the plan entry `r\"{pattern}\": es.nn.DropoutParallel(dim=...)`, "
+                f"dim the dimension of its input that {self.axis_name!r} splits (the features "
+                f"after a column-parallel layer: -1), or apply the dropout where the activation "
+                f"is whole."
+            )
+        return eqx.nn.Dropout.__call__(self, x, key=key, inference=inference)
+
+    def __unbox__(self) -> eqx.nn.Dropout:
+        """The `eqx.nn.Dropout` it was made from, for `equishard.unbox`."""
+        return eqx.nn.Dropout(self.p, inference=self.inference)
+
+
+def _guard(path: str, module: eqx.nn.Dropout, axis_name: str) -> GuardedDropout:
+    return rebuild(GuardedDropout, module, axis_name=axis_name, path=path)
+
+
+def _dropout(path: str, module: Any, style: DropoutParallel, axis_name: str) -> SplitDropout:
+    if not isinstance(module, eqx.nn.Dropout):
+        raise _refuse(path, module, style, "an eqx.nn.Dropout")
+    return SplitDropout(module.p, module.inference, axis_name, style.dim)
 
 
 _HEAD_CLASSES: dict[tuple[type, tuple[str, ...], str], type] = {}
@@ -514,6 +573,8 @@ def _convert(model: PyTree, compiled: list[tuple[re.Pattern[str], Style]], axis_
             if pattern.fullmatch(path):
                 used[i] = True
                 return _apply(path, module, style, descend)
+        if type(module) is eqx.nn.Dropout:  # no entry: refused on a split input
+            return _guard(path, module, axis_name)
         return descend(module)
 
     def _apply(path: str, module: Any, style: Style, descend: Callable[[Any], Any]) -> Any:
@@ -523,8 +584,13 @@ def _convert(model: PyTree, compiled: list[tuple[re.Pattern[str], Style]], axis_
             return _embedding(path, module, style, axis_name, n)
         if isinstance(style, SequenceParallel) and _holds_layers(module):
             raise _refuse(path, module, style, "a norm (a module without linear or embedding layers)")
+        if isinstance(style, DropoutParallel):
+            return _dropout(path, module, style, axis_name)
         if isinstance(style, HeadParallel):
-            return _heads(path, descend(module), style, axis_name, n)
+            converted = descend(module)
+            if isinstance(module, eqx.nn.MultiheadAttention):  # its own dropout draws per head
+                converted = eqx.tree_at(lambda m: m.dropout, converted, module.dropout)
+            return _heads(path, converted, style, axis_name, n)
         return module  # Replicate, SequenceParallel: whole on every device
 
     return map_modules(model, visit), used
@@ -543,7 +609,7 @@ def _report_unused(model: PyTree, compiled: list[tuple[re.Pattern[str], Style]],
     )
     if strict:
         raise SpecError(message)
-    warnings.warn(message, stacklevel=3)
+    warn(message)
 
 
 def _is_traced(tree: PyTree) -> bool:
@@ -588,8 +654,9 @@ def _probe(original: PyTree, parallel: PyTree, probe: Callable[[PyTree], Any], m
     hint = (
         "Usual causes: a size computed from a layer's global fields next to a divided head "
         "count (store the head size as a field), a head-count field the plan does not "
-        "name (HeadParallel(...)), a dropout on a head-split activation (HeadParallel("
-        "..., dropout_dim=...)), a linear layer the plan leaves whole between split ones."
+        "name (HeadParallel(...)), an attention module's own dropout on its head-split "
+        "weights (HeadParallel(..., dropout_dim=...)), a linear layer the plan leaves "
+        "whole between split ones."
     )
     want = _run_compiled(probe, original)
     try:
@@ -649,7 +716,11 @@ def parallelize(
     wins) is converted by its style: `eqx.nn.Linear` to a column- or row-parallel
     layer, `eqx.nn.Embedding` to a parallel embedding, each holding the original
     arrays at the original paths (checkpoints and path rules see the same names);
-    attention modules get their head counts divided inside `shard_map`. Outside
+    attention modules get their head counts divided inside `shard_map`; an
+    `eqx.nn.Dropout` on a split activation draws its block of the one-device mask
+    (`DropoutParallel` at its path). Every other `eqx.nn.Dropout` raises a
+    `LayerConfigError` naming its path when it is traced on an input split over
+    `axis_name` (with or without a probe), rather than drawing other masks. Outside
     `shard_map` the result computes what the model computed. `equishard.unbox`
     (after `equishard.gather`) gives the original classes back. See the "Your own
     model" guide.
@@ -658,8 +729,8 @@ def parallelize(
 
     - `model`: any pytree of Equinox modules, written without equishard.
     - `plan`: `{pattern: style}`; a style is a `ColwiseParallel`, `RowwiseParallel`,
-      `EmbeddingParallel`, `SequenceParallel`, `Replicate` or `HeadParallel`, or one
-      of the names `"column"`, `"row"`, `"vocab"`, `"embedding"`,
+      `EmbeddingParallel`, `SequenceParallel`, `Replicate`, `HeadParallel` or
+      `DropoutParallel`, or one of the names `"column"`, `"row"`, `"vocab"`, `"embedding"`,
       `"sequence_parallel"`, `"replicate"`, `"heads"`. Paths are written as
       `blocks[3].attn.wq`; the root's is `""`.
     - `mesh`: the mesh (the size of `axis_name` decides divisibility; the probe runs

@@ -77,7 +77,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -85,6 +84,7 @@ import jax
 import numpy as np
 
 from .._text import human_bytes, text_table
+from .._warn import warn
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -416,11 +416,9 @@ def _trip_count(module: _Module, loop: _Instr) -> int:
     condition = dict(loop.callees).get("condition")
     inferred = None if condition is None else _infer_trip_count(module, loop, condition)
     if inferred is None:
-        warnings.warn(
+        warn(
             f"equishard.report.read_collectives: cannot determine the trip count of while "
-            f"loop %{loop.name}; counting its collectives once.",
-            stacklevel=4,
-        )
+            f"loop %{loop.name}; counting its collectives once.")
         return 1
     return inferred
 

@@ -9,7 +9,6 @@ replicated.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._errors import SpecError
+from .._warn import warn
 from ._box import Sharded, is_sharded
 from ._specs import is_array_like, is_spec, path_str
 
@@ -105,7 +105,7 @@ def apply_rules(tree: PyTree, rules: Rules, *, strict: bool = False) -> PyTree:
         )
         if strict:
             raise SpecError(message)
-        warnings.warn(message, stacklevel=2)
+        warn(message)
     return out
 
 

@@ -8,7 +8,6 @@ sharding: the same key gives bit-identical global parameters on every mesh.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
+from .._warn import warn
 from ._specs import check_tree_specs, is_array_like, is_spec, specs_of
 
 
@@ -28,12 +28,10 @@ def check_threefry_partitionable() -> bool:
     """
     on = bool(getattr(jax.config, "jax_threefry_partitionable"))
     if not on:
-        warnings.warn(
+        warn(
             "equishard: jax_threefry_partitionable is off, so random initialisation "
             "depends on the mesh (the same key gives different parameters on different "
-            "layouts). Turn it on with jax.config.update('jax_threefry_partitionable', True).",
-            stacklevel=3,
-        )
+            "layouts). Turn it on with jax.config.update('jax_threefry_partitionable', True).")
     return on
 
 

@@ -24,7 +24,7 @@ def _eqx_path(path: str | os.PathLike[str]) -> pathlib.Path:
     return path.with_suffix(".eqx") if path.suffix == "" else path
 
 
-def export_model(model: PyTree, path: str | os.PathLike[str]) -> pathlib.Path:
+def export_model(model: PyTree, path: str | os.PathLike[str], *, state: PyTree = None) -> pathlib.Path:
     """Write a model as a plain single-device Equinox model file.
 
     Every array is gathered whole onto one device and every `Sharded` box replaced by
@@ -39,13 +39,17 @@ def export_model(model: PyTree, path: str | os.PathLike[str]) -> pathlib.Path:
 
     - `model`: the model (or any pytree), possibly sharded and boxed.
     - `path`: the file; `.eqx` is appended when it has no suffix (Equinox's rule).
+    - `state`: the model's `eqx.nn.State` (`TrainState.model_state`: batch norms'
+      running statistics, which inference needs), written after the model: the file
+      then holds the pair `(model, state)`, read with `import_model(path, (model_like,
+      state_like))` or `eqx.tree_deserialise_leaves(path, eqx.nn.make_with_state(Model)(...))`.
 
     **Returns:**
 
     The path written.
     """
     path = _eqx_path(path)
-    plain = unbox(gather(model))
+    plain = unbox(gather(model if state is None else (model, state)))
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -30,12 +30,14 @@ from .._errors import CheckpointError
 from ..sharding import check_spec, is_array_like, is_sharded, path_str, specs_of
 
 FORMAT = "equishard.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The checkpoint format's version: it changes with the format, and with `TrainState`'s
-fields (`TRAIN_STATE_FIELDS`)."""
+fields (`TRAIN_STATE_FIELDS`). A checkpoint of an earlier version reads as before: version
+2 added `model_state`, whose arrays a state without one does not have."""
 
 TRAIN_STATE_FIELDS: dict[int, tuple[str, ...]] = {
     1: ("step", "model", "opt_state", "key", "data_position", "skipped"),
+    2: ("step", "model", "opt_state", "key", "data_position", "skipped", "model_state"),
 }
 """The fields of a saved `TrainState`, per `FORMAT_VERSION`. `TrainState` is checked
 against `TRAIN_STATE_FIELDS[FORMAT_VERSION]` when it is defined: a field added or renamed

@@ -114,6 +114,32 @@ def accumulate(
     return jax.lax.scan(step, (model_state, first), rest)[0]
 
 
+def settle_state(model_state: Any, data_axes: tuple[str, ...], per_device: bool) -> Any:
+    """Inside `shard_map`: a model state the same on every device along `data_axes`.
+
+    Each array of the state a loss function returned is typed as varying over the data
+    axes (the step hands the state to it so). With per-device statistics the floating
+    arrays are averaged over the data axes (each device's running statistics differ);
+    otherwise every device holds the same values and the first device's are taken,
+    bit for bit. Integer and boolean arrays (counters, flags) are the same everywhere.
+    """
+    if model_state is None or not data_axes or not vma_checked(data_axes):
+        return model_state
+    axes = mesh_ordered(data_axes)
+    first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
+
+    def settle(x: Any) -> Any:
+        if not set(axes) & varying_axes(x):
+            return x
+        x = cast_varying(x, axes)
+        if per_device and eqx.is_inexact_array(x):
+            return jax.lax.pmean(x, axes)
+        zero = jnp.zeros_like(x)
+        return jax.lax.psum(jnp.where(first, x, zero), axes).astype(x.dtype)
+
+    return jax.tree.map(settle, model_state)
+
+
 def data_axes_of(spec_tree: P | PyTree) -> tuple[str, ...]:
     """The mesh axes a spec or spec tree uses (for a batch: the data axes), in order."""
     axes: list[str] = []
@@ -220,10 +246,12 @@ def _reduce_pending(
 
 
 def local_gradients(
-    model: PyTree, batch: PyTree, key: PRNGKeyArray, *, adapter: LossAdapter,
-    precision: Precision, layout: OptStateSharding, grad_accum: int, data_axes: tuple[str, ...],
-) -> tuple[Array, dict[str, Any], Array, PyTree]:
-    """Inside `shard_map`: `(loss, metrics, grad_norm, grads)` of this device's batch.
+    model: PyTree, batch: PyTree, key: PRNGKeyArray, model_state: Any = None, *,
+    adapter: LossAdapter, precision: Precision, layout: OptStateSharding, grad_accum: int,
+    data_axes: tuple[str, ...],
+) -> tuple[Array, dict[str, Any], Array, PyTree, Any]:
+    """Inside `shard_map`: `(loss, metrics, grad_norm, grads, model_state)` of this
+    device's batch, the model state after the last micro-step (the same on every device).
 
     Each micro-step would all-reduce the gradients of the parameters that are
     replicated over the data axes. Differentiating a copy cast to vary over them
@@ -235,10 +263,17 @@ def local_gradients(
     check_no_mean_grads(model)
     # int32[B/data]: where this device's examples sit in the global batch.
     index = adapter.local_index(jax.tree.leaves(batch)[0].shape[0])
+    if model_state is not None and data_axes and vma_checked(data_axes):
+        # The loss function gets the state typed as varying over the data axes: with
+        # per-device statistics its new values differ from device to device.
+        model_state = cast_varying(model_state, data_axes)
+    initial_state = model_state
     # Under mixed precision the replicated parameters' gradients are summed after the
     # cast's transpose, in `reduce_dtype`: the deferred route, even for one micro-step.
     if grad_accum == 1 and not layout.reduces_gradients and precision.reduce_dtype is None:
-        _, (loss, metrics, grads) = value_and_grad(adapter, precision, model, batch, key, index)
+        model_state, (loss, metrics, grads) = value_and_grad(
+            adapter, precision, model, batch, key, index, model_state
+        )
     else:
         # [B_local, ...] -> [k, B_local/k, ...]
         micro = split_microbatches((batch, index), grad_accum, what="make_train_step", name="grad_accum")
@@ -250,29 +285,32 @@ def local_gradients(
                 return value_and_grad(adapter, precision, model, part_batch, part_key, part_index, model_state)
 
             accept = lambda out: _invariant_over((out[0], out[1]), data_axes)  # noqa: E731
-            return accumulate(one, micro, grad_accum, accept=accept)
+            return accumulate(one, micro, grad_accum, initial_state, accept=accept)
 
         varying, pending = _vary_over(model, data_axes)
         result = accumulated(varying)
         if result is None:  # the loss varies with the copies: reduce every micro-step
             result = accumulated(model)
             pending = None
-        _, (loss, metrics, grads) = result
+        model_state, (loss, metrics, grads) = result
         grads = _reduce_pending(layout, grads, pending, precision.reduce_dtype)
     check_global_loss(loss, data_axes)
-    return loss, metrics, global_norm(grads), grads
+    model_state = settle_state(model_state, data_axes, adapter.batch_norm_axes == ())
+    return loss, metrics, global_norm(grads), grads, model_state
 
 
 def global_gradients(
-    model: PyTree, batch: PyTree, key: PRNGKeyArray, *, adapter: LossAdapter,
-    precision: Precision, grad_accum: int, mesh: Mesh, batch_spec: P | PyTree,
-    data_axes: tuple[str, ...],
-) -> tuple[Array, dict[str, Any], Array, PyTree]:
-    """Under `jit`, on the global arrays: `(loss, metrics, grad_norm, grads)`."""
+    model: PyTree, batch: PyTree, key: PRNGKeyArray, model_state: Any = None, *,
+    adapter: LossAdapter, precision: Precision, grad_accum: int, mesh: Mesh,
+    batch_spec: P | PyTree, data_axes: tuple[str, ...],
+) -> tuple[Array, dict[str, Any], Array, PyTree, Any]:
+    """Under `jit`, on the global arrays: `(loss, metrics, grad_norm, grads, model_state)`."""
     batch = shard(batch, mesh, batch_spec)
     index = jnp.arange(jax.tree.leaves(batch)[0].shape[0], dtype=jnp.int32)  # int32[B]
     if grad_accum == 1:
-        _, (loss, metrics, grads) = value_and_grad(adapter, precision, model, batch, key, index)
+        model_state, (loss, metrics, grads) = value_and_grad(
+            adapter, precision, model, batch, key, index, model_state
+        )
     else:
         # [B, ...] -> [k, B/k, ...], micro-batch m taking the m-th slice of every data
         # shard's rows (as the local view does).
@@ -287,10 +325,10 @@ def global_gradients(
             part_key = adapter.micro_key(key, i)
             return value_and_grad(adapter, precision, model, part_batch, part_key, part_index, model_state)
 
-        _, (loss, metrics, grads) = accumulate(one, micro, grad_accum)  # type: ignore[misc]
+        model_state, (loss, metrics, grads) = accumulate(one, micro, grad_accum, model_state)  # type: ignore[misc]
     squares = (
         jnp.sum(jnp.square(g.astype(jnp.float32)))
         for g in jax.tree.leaves(grads)
         if eqx.is_inexact_array(g)
     )
-    return loss, metrics, jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))), grads
+    return loss, metrics, jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))), grads, model_state

@@ -1,12 +1,13 @@
 """The loss function's contract: one adapter calls it and normalises what it returns.
 
 A loss function is written `loss_fn(model, batch, key) -> (loss, metrics)`, or with the
-keyword `index` (the global indices of its examples). `LossAdapter` is the one place
-that knows these forms: it calls the function the way it is written, hands it the
-key its form expects, and checks what comes back (a floating scalar and a dict) before
-JAX differentiates it, naming what was expected and what was given. A model state
-(`eqx.nn.State`) travels through it beside the model: returned unchanged today, the
-place of a stateful form.
+keyword `index` (the global indices of its examples). A model with a state
+(`eqx.nn.State`, e.g. batch norms' running statistics) has the stateful form
+`loss_fn(model, state, batch, key) -> (loss, (metrics, new_state))`, `index` again
+optional. `LossAdapter` is the one place that knows these forms: it calls the function
+the way it is written, hands it the key its form expects, and checks what comes back (a
+floating scalar, a dict of scalars, a state like the one given) before JAX
+differentiates it, naming what was expected and what was given.
 """
 
 from __future__ import annotations
@@ -15,21 +16,30 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .._axes import cast_varying, varying_axes
 from .._errors import LayerConfigError, TrainStepError
 from ..core import global_index
+from ..nn import sync_batch_norms
 from ..sharding._internal import is_spec
 
-LossFn = Callable[..., tuple[Array, dict[str, Array]]]
+LossFn = Callable[..., tuple[Array, dict[str, Array]] | tuple[Array, tuple[dict[str, Array], Any]]]
+"""`(loss, metrics)`, or for a model with a state `(loss, (metrics, new_state))`."""
 
 _CONTRACT = (
     "loss_fn(model, batch, key) must return (loss, metrics): loss the global mean "
     "loss, a floating scalar (shape ()), and metrics a dict of global scalars (empty if "
     "there are none)"
+)
+_STATEFUL = (
+    "a model with a state (built by eqx.nn.make_with_state) is trained with "
+    "loss_fn(model, state, batch, key) -> (loss, (metrics, new_state)), new_state the "
+    "eqx.nn.State its layers returned"
 )
 
 
@@ -70,7 +80,46 @@ def check_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
             f"{jnp.dtype(dtype).name}, not floating: an integer loss has no gradient. Compute "
             f"it in floating point (e.g. `count.astype(jnp.float32)`)."
         )
+    for name, value in metrics.items():
+        if not isinstance(value, (bool, int, float)) and jnp.shape(value) != ():
+            raise TrainStepError(
+                f"make_train_step: {_CONTRACT}; its metric {name!r} is {describe(value)}, not "
+                f"a scalar. Reduce it to one global value (e.g. its mean), or keep it out of "
+                f"the metrics."
+            )
     return loss, metrics
+
+
+def check_stateful_output(out: Any, old_state: eqx.nn.State) -> tuple[Any, dict[str, Any], eqx.nn.State]:
+    """`(loss, metrics, new_state)` from what a stateful loss function returned, or a
+    `TrainStepError`; `new_state`'s arrays in the dtypes of `old_state`'s."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) == 2):
+        raise TrainStepError(f"make_train_step: {_STATEFUL}; it returned {describe(out)}.")
+    loss, (metrics, new_state) = out
+    if not isinstance(new_state, eqx.nn.State):
+        raise TrainStepError(
+            f"make_train_step: {_STATEFUL}; its new_state is {describe(new_state)}, not an "
+            f"eqx.nn.State."
+        )
+    old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old_state)
+    new_leaves, new_def = jax.tree.flatten(new_state)
+    if old_def != new_def:
+        raise TrainStepError(
+            f"make_train_step: {_STATEFUL}; its new_state holds other entries than the state "
+            f"it was given: expected {old_def}, got {new_def}."
+        )
+    for (path, old), new in zip(old_leaves, new_leaves):
+        if jnp.shape(old) != jnp.shape(new):
+            raise TrainStepError(
+                f"make_train_step: {_STATEFUL}; its new_state's `state{jax.tree_util.keystr(path)}` "
+                f"is {describe(new)}, where the state it was given holds {describe(old)}."
+            )
+    # In the old dtypes, not weakly typed: the next step gets the types this one got.
+    new_state = jax.tree.unflatten(new_def, [
+        jax.lax.convert_element_type(new, jnp.result_type(old)) for (_, old), new in zip(old_leaves, new_leaves)
+    ])  # fmt: skip
+    loss, metrics = check_loss_output((loss, metrics))
+    return loss, metrics, new_state
 
 
 def takes_index(loss_fn: Callable) -> bool:
@@ -99,6 +148,13 @@ def batch_axis(batch_spec: P | PyTree) -> str | tuple[str, ...] | None:
     return entries.pop() if entries else None
 
 
+def _clone(state: eqx.nn.State) -> eqx.nn.State:
+    """A new `eqx.nn.State` object of the same arrays (`State.set` invalidates the old one,
+    and the step may call the loss function more than once with the state it holds)."""
+    leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, leaves)
+
+
 class LossAdapter:
     """Calls a loss function in the form it is written; checks what it returns.
 
@@ -106,12 +162,17 @@ class LossAdapter:
 
     - `loss_fn`: the user's loss function.
     - `batch_spec`: the batch's spec (for the axes of `index` in the local view).
+    - `batch_norm_axes`: the mesh axes that batch statistics span beyond the `vmap`
+      over the batch, inside `shard_map` (every `eqx.nn.BatchNorm` is called as a
+      `SyncBatchNorm` over them; `()`: each device's examples); `None` (the global
+      view): the model's layers as they are.
     """
 
-    def __init__(self, loss_fn: LossFn, batch_spec: P | PyTree):
+    def __init__(self, loss_fn: LossFn, batch_spec: P | PyTree, batch_norm_axes: tuple[str, ...] | None = None):
         self.loss_fn = loss_fn
         self.with_index = takes_index(loss_fn)
         self.batch_axis = batch_axis(batch_spec) if self.with_index else None
+        self.batch_norm_axes = batch_norm_axes
 
     def local_index(self, size: int) -> Array | None:
         """Inside `shard_map`: `int32[B/data]`, where this device's examples sit in the
@@ -126,10 +187,19 @@ class LossAdapter:
     def __call__(
         self, model: PyTree, batch: PyTree, key: PRNGKeyArray, index: Any, model_state: Any = None
     ) -> tuple[Array, tuple[dict[str, Any], Any]]:
-        """`(loss, (metrics, model_state))`: the shape `value_and_grad(has_aux=True)` takes."""
-        if self.with_index:
-            out = self.loss_fn(model, batch, key, index=index)
-        else:
-            out = self.loss_fn(model, batch, key)
-        loss, metrics = check_loss_output(out)
-        return loss, (metrics, model_state)
+        """`(loss, (metrics, model_state))`: the shape `value_and_grad(has_aux=True)` takes.
+
+        With a `model_state`, the stateful form is called and its new state returned.
+        """
+        kwargs = {"index": index} if self.with_index else {}
+        if model_state is None:
+            loss, metrics = check_loss_output(self.loss_fn(model, batch, key, **kwargs))
+            return loss, (metrics, None)
+        if self.batch_norm_axes is not None:
+            model = sync_batch_norms(model, self.batch_norm_axes)
+        out = self.loss_fn(model, _clone(model_state), batch, key, **kwargs)
+        loss, metrics, new_state = check_stateful_output(out, model_state)
+        # Each array typed as the state given (varying over the same axes), so that the
+        # micro-steps' carry keeps its type.
+        new_state = jax.tree.map(lambda new, old: cast_varying(new, varying_axes(old)), new_state, model_state)
+        return loss, (metrics, new_state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -12,7 +13,8 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ..sharding import sharded_init
+from .._errors import TrainStepError
+from ..sharding import path_str, sharded_init
 from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, ZeroAxes
 from ._format import FORMAT_VERSION, TRAIN_STATE_FIELDS
 from ._opt_sharding import opt_state_sharding
@@ -32,6 +34,10 @@ class TrainState(eqx.Module):
     - `key`: the run's PRNG key; step `s` uses `fold_in(key, s)`.
     - `data_position`: `int32[]`, the global number of samples consumed.
     - `skipped`: `int32[]`, steps whose loss or gradient was not finite (not applied).
+    - `model_state`: the model's `eqx.nn.State` (batch norms' running statistics, ...)
+      for a model built by `eqx.nn.make_with_state`, replicated; `None` for a model
+      without one. Not differentiated, not optimized, not cast by a compute dtype; a
+      skipped step keeps it as it was.
     """
 
     step: Int[Array, ""]
@@ -40,6 +46,7 @@ class TrainState(eqx.Module):
     key: PRNGKeyArray
     data_position: Int[Array, ""]
     skipped: Int[Array, ""]
+    model_state: PyTree = None
 
 
 def _check_fields() -> None:
@@ -57,6 +64,35 @@ def _check_fields() -> None:
 _check_fields()
 
 
+def _state_index_path(model: PyTree) -> str | None:
+    """The path of the first `eqx.nn.StateIndex` of `model` (`None`: it has none)."""
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model, is_leaf=is_index):
+        if is_index(leaf):
+            return path_str(path).lstrip(".")
+    return None
+
+
+def split_model_state(made: Any) -> tuple[PyTree, eqx.nn.State | None]:
+    """`(model, state)` from what `make_model` returned: a model, or a `(model, state)`
+    pair (`eqx.nn.make_with_state`'s); the state's arrays strongly typed."""
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], eqx.nn.State):
+        model, state = made
+        # Not weakly typed (make_with_state's counters are): a step and a restored
+        # checkpoint then see the same types.
+        return model, jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), state)
+    where = _state_index_path(made)
+    if where is not None:
+        raise TrainStepError(
+            f"init_train_state: the model holds a stateful layer's eqx.nn.StateIndex at "
+            f"`{where}` and make_model returned no state. Build it with "
+            f"eqx.nn.make_with_state (`make_model = lambda k: "
+            f"eqx.nn.make_with_state(Model)(..., key=k)`), which returns (model, state): "
+            f"the state is then trained beside the model (see the \"Your own model\" guide)."
+        )
+    return made, None
+
+
 def init_train_state(
     make_model: Callable[[PRNGKeyArray], PyTree],
     optimizer: optax.GradientTransformation,
@@ -70,8 +106,14 @@ def init_train_state(
 
     **Arguments:**
 
-    - `make_model`: `make_model(key) -> model`, e.g. `lambda k: GPT(config, key=k)`.
-    - `optimizer`: an optax optimizer; its state inherits the parameters' specs.
+    - `make_model`: `make_model(key) -> model`, e.g. `lambda k: GPT(config, key=k)`, or
+      `-> (model, state)` for a model with a state (`eqx.nn.State`, e.g. batch norms'
+      running statistics): `lambda k: eqx.nn.make_with_state(Model)(..., key=k)`. The
+      state is kept in `TrainState.model_state` and the loss function takes the stateful
+      form (see `make_train_step`).
+    - `optimizer`: an optax optimizer; its state inherits the parameters' specs. It sees
+      the floating arrays only (`eqx.filter(model, eqx.is_inexact_array)`): integer and
+      boolean fields are carried unchanged.
     - `key`: the run's key; the model is built from `fold_in(key, 0)`.
     - `mesh`: the mesh.
     - `zero`: optimizer-state sharding (ZeRO-1): the mesh axis or axes (e.g. `"dp"`)
@@ -90,8 +132,8 @@ def init_train_state(
     layout = opt_state_sharding(zero, mesh, zero_min_weight_size, "init_train_state")
 
     def make(key: PRNGKeyArray) -> TrainState:
-        model = make_model(jax.random.fold_in(key, 0))
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+        model, model_state = split_model_state(make_model(jax.random.fold_in(key, 0)))
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             model=model,
@@ -99,6 +141,7 @@ def init_train_state(
             key=key,
             data_position=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
+            model_state=model_state,
         )
 
     return sharded_init(make, key, mesh=mesh)

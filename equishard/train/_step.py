@@ -76,34 +76,41 @@ class _Parts:
     def __init__(
         self, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
         batch_spec: P | PyTree, grad_accum: int, clip_norm: float | None, view: str,
-        layout: OptStateSharding, precision: Precision,
+        layout: OptStateSharding, precision: Precision, batch_stats: str = "global",
     ):
-        self.adapter = LossAdapter(loss_fn, batch_spec)
+        self.data_axes = data_axes_of(batch_spec)
+        # Batch norms inside `shard_map` take their statistics over the data axes too
+        # (or this device's examples); in the global view the vmap spans the whole batch.
+        norm_axes = None if view == "global" else (self.data_axes if batch_stats == "global" else ())
+        self.adapter = LossAdapter(loss_fn, batch_spec, norm_axes)
         self.optimizer = optimizer
         self.update = traced_once(optimizer.update)
         self.all_finite = all_finite(mesh)
         self.mesh, self.batch_spec, self.view = mesh, batch_spec, view
         self.grad_accum, self.clip_norm = grad_accum, clip_norm
-        self.data_axes = data_axes_of(batch_spec)
         self.layout, self.precision = layout, precision
 
 
-def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any) -> Any:
-    """`(loss, metrics, grad_norm, grads)`: the global gradients in the layout's view."""
+def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any, model_state: Any = None) -> Any:
+    """`(loss, metrics, grad_norm, grads, model_state)`: the global gradients in the
+    layout's view, and the model state after the step's micro-steps (replicated)."""
     common: dict[str, Any] = dict(
         adapter=parts.adapter, precision=parts.precision, grad_accum=parts.grad_accum
     )
     if parts.view == "global":
-        loss, metrics, grad_norm, grads = global_gradients(
-            model, batch, key, mesh=parts.mesh, batch_spec=parts.batch_spec,
+        loss, metrics, grad_norm, grads, model_state = global_gradients(
+            model, batch, key, model_state, mesh=parts.mesh, batch_spec=parts.batch_spec,
             data_axes=parts.data_axes, **common,
         )  # fmt: skip
-        # Under ZeRO, laid out as the optimizer state is: XLA reduce-scatters.
-        return loss, metrics, grad_norm, shard(parts.layout.view(grads), parts.mesh)
+        # Under ZeRO, laid out as the optimizer state is: XLA reduce-scatters. Metrics
+        # and state replicated, as the local view returns them.
+        grads = shard(parts.layout.view(grads), parts.mesh)
+        metrics, model_state = shard((metrics, model_state), parts.mesh)
+        return loss, metrics, grad_norm, grads, model_state
 
-    def local(model: PyTree, batch: PyTree, key: Any) -> Any:
+    def local(model: PyTree, batch: PyTree, key: Any, model_state: Any) -> Any:
         return local_gradients(
-            model, batch, key, layout=parts.layout, data_axes=parts.data_axes, **common
+            model, batch, key, model_state, layout=parts.layout, data_axes=parts.data_axes, **common
         )
 
     # The out_specs are known before tracing (the parameters' specs, or under ZeRO the
@@ -111,17 +118,19 @@ def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any) -> 
     gradients = filter_shard_map(
         local,
         mesh=parts.mesh,
-        in_specs=(None, parts.batch_spec, P()),
-        out_specs=(P(), P(), P(), gradient_specs(parts.layout.view(model))),
+        in_specs=(None, parts.batch_spec, P(), P()),
+        out_specs=(P(), P(), P(), gradient_specs(parts.layout.view(model)), P()),
     )
-    return gradients(model, batch, key)
+    return gradients(model, batch, key, model_state)
 
 
 def step_body(parts: _Parts, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
     """One step: gradients, then the guarded update, on `state` and the global `batch`."""
     key = jax.random.fold_in(state.key, state.step)
     parts.layout.check(state.opt_state)
-    loss, metrics, grad_norm, grads = compute_gradients(parts, state.model, batch, key)
+    loss, metrics, grad_norm, grads, model_state = compute_gradients(
+        parts, state.model, batch, key, state.model_state
+    )
     # Global view from here: `grads` are global arrays in their parameters' boxes
     # (under ZeRO, in the optimizer state's boxes: the parameters are viewed, and laid
     # out for the update, the same way, a local slice of a replicated array).
@@ -131,6 +140,8 @@ def step_body(parts: _Parts, state: TrainState, batch: PyTree) -> tuple[TrainSta
         grads, state.opt_state, state.model,
     )  # fmt: skip
     skipped = (~ok).astype(jnp.int32)
+    # A skipped step keeps the model state too (a NaN batch leaves the statistics).
+    model_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), model_state, state.model_state)
     new_state = TrainState(
         step=state.step + 1,
         model=model,
@@ -138,6 +149,7 @@ def step_body(parts: _Parts, state: TrainState, batch: PyTree) -> tuple[TrainSta
         key=state.key,
         data_position=state.data_position + jax.tree.leaves(batch)[0].shape[0],
         skipped=state.skipped + skipped,
+        model_state=model_state,
     )
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, **metrics}
     # Each array keeps the layout it came in with (the next step's input layout).
@@ -302,6 +314,21 @@ class CompiledTrainStep(eqx.Module):
         return eqx.combine(new_arrays, static.tree()), metrics
 
 
+def _check_batch_stats(batch_stats: str, view: str) -> None:
+    """Raise for a `batch_stats` option of `make_train_step` that cannot work."""
+    if batch_stats not in ("global", "device"):
+        raise LayerConfigError(
+            f"make_train_step: batch_stats must be 'global' (statistics over the global "
+            f"batch, as on one device) or 'device' (each device's own examples), got {batch_stats!r}."
+        )
+    if batch_stats == "device" and view == "global":
+        raise LayerConfigError(
+            "make_train_step(batch_stats='device', view='global'): in the global view the "
+            "loss function sees the whole batch, and its batch norms take their statistics "
+            "over all of it; per-device statistics need view='local'."
+        )
+
+
 def _check_options(grad_accum: int, view: str, mesh: Mesh, clip_norm: float | None) -> None:
     """Raise for an option of `make_train_step` that cannot work."""
     if grad_accum < 1:
@@ -339,6 +366,7 @@ def make_train_step(
     gather_dtype: Any = None,
     reduce_dtype: Any = None,
     compiler_options: dict[str, Any] | None = None,
+    batch_stats: str = "global",
 ) -> TrainStep:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
 
@@ -369,6 +397,12 @@ def make_train_step(
       example keys `equishard.core.example_keys(key, index)` make dropout independent
       of the layout and of `grad_accum`. The plain form gets the step's key, folded
       with the micro-step under `grad_accum` (layout-dependent if split per example).
+      For a state holding a model state (`eqx.nn.make_with_state`, see
+      `init_train_state`): `loss_fn(model, state, batch, key) -> (loss, (metrics,
+      new_state))` (`index` again optional), `new_state` the state its stateful layers
+      returned; it is carried to the next step (kept as it was if the step is skipped).
+      Only the floating arrays of the model are differentiated, optimized, clipped and
+      checked for finiteness; integer and boolean fields are carried unchanged.
     - `optimizer`: an optax optimizer (its `update` is given the parameters).
     - `mesh`: the mesh.
     - `batch_spec`: the spec (or spec tree) of the global batch, e.g. `P(("dp", "fsdp"))`.
@@ -406,6 +440,14 @@ def make_train_step(
       (`None`: `compute_dtype`; an `FSDP` unit's own `gather_dtype` takes precedence).
     - `reduce_dtype`: with `compute_dtype`, the dtype gradients are reduced in, FSDP's
       reduce-scatters and the data axes' all-reduce (`None`: float32, as torch FSDP2).
+    - `batch_stats`: `"global"` (default): an `eqx.nn.BatchNorm` (written as on one device,
+      `axis_name` the name of the `vmap` over the batch) takes its statistics over the
+      examples of the whole micro-batch, across the data axes, as on one device
+      (PyTorch's SyncBatchNorm). `"device"`: over each device's own examples (PyTorch
+      DDP's BatchNorm); the running statistics stored are then the mean over the
+      devices of each device's running statistics. With `grad_accum`, a micro-step's
+      statistics are over that micro-step's examples: the m-th slice of each device's
+      block of the batch. `"device"` needs `view="local"`.
     - `compiler_options`: XLA options for this step's program only, as `jax.jit`'s
       (e.g. `{"xla_backend_optimization_level": 0}`, which on XLA:CPU compiles a step
       with dropout several times faster and runs it more slowly); `None`: XLA's
@@ -432,12 +474,14 @@ def make_train_step(
     on another mesh, a compiled step given a batch of another shape.
     """
     _check_options(grad_accum, view, mesh, clip_norm)
+    _check_batch_stats(batch_stats, view)
     layout = opt_state_sharding(zero, mesh, zero_min_weight_size, "make_train_step")
     data_axes = data_axes_of(batch_spec) if view == "local" else ()
     precision = precision_of(compute_dtype, gather_dtype, reduce_dtype, data_axes)
     parts = _Parts(
-        loss_fn, optimizer, mesh, batch_spec, grad_accum, clip_norm, view, layout, precision
-    )
+        loss_fn, optimizer, mesh, batch_spec, grad_accum, clip_norm, view, layout,
+        precision, batch_stats,
+    )  # fmt: skip
     # `jax.jit` over the arrays, the rest static, rather than `eqx.filter_jit`: the
     # latter waits for each call to finish (to surface Equinox runtime errors), which
     # would serialise the host's next batch with the device's step.

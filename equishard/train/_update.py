@@ -56,7 +56,8 @@ def _apply_if(
     while one of them overwrites it, so XLA keeps a copy of the whole optimizer state
     for the whole step (measured: 40 MiB per device on the 5.25 M-parameter GPT at dp=8).
     """
-    arrays, static = eqx.partition(model, eqx.is_array)
+    # Only the floating arrays are trained: integer and boolean fields pass through.
+    arrays, static = eqx.partition(model, eqx.is_inexact_array)
     # The branches take and return flat lists: the trees are flattened once here, not
     # by `cond` for each branch's trace.
     leaves, treedef = jax.tree.flatten((grads, opt_state, arrays))
@@ -180,7 +181,7 @@ def guarded_update(
     parameter-sized update and new moments at once.
     """
     old_model = layout.for_update(model)
-    params = eqx.filter(old_model, eqx.is_array)
+    params = eqx.filter(old_model, eqx.is_inexact_array)
     checked = first_update(optimizer, update, grads, opt_state, params, layout)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite(checked)
     new_model, opt_state = _apply_if(ok, update, grads, opt_state, old_model)
