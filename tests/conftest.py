@@ -1,17 +1,41 @@
-"""Test bed: 8 simulated CPU devices, rank promotion raises, shared helpers.
+"""Test bed: 8 simulated CPU devices, rank promotion raises, one compilation cache for
+the run, shared helpers.
 
 JAX must be told how many CPU devices to simulate before its backend starts, so this
 runs at import time, before any test module imports JAX.
+
+Many test files compile the same programs (the reference GPT's step on a layout, the
+initialisations), and the command-line tests start `equishard train` processes that
+compile the same step again. JAX's persistent compilation cache, in one fresh directory
+for the whole run, lets each program be compiled once: pytest's first process creates it
+and puts it in the environment, which the xdist workers and every subprocess inherit. A
+test run never reads a cache it did not write (unless `JAX_COMPILATION_CACHE_DIR` is set
+by the caller); the directory is removed when the run ends.
 """
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="equishard-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(functools.partial(shutil.rmtree, _cache, ignore_errors=True))
+# Programs that compile in under a quarter of a second are not worth a disk round trip.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# The environment is read when JAX is imported; a plugin may have imported it earlier.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+)
 
 import pytest  # noqa: E402
 

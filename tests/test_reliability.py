@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import equishard as es
 from equishard.train import Checkpointer, init_train_state, make_train_step
 from equishard.train._checkpoint import FAULT_ENV, probe_writable
-from equishard.train._format import checksums
+from equishard.train._format import FORMAT_VERSION, checksums
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -707,7 +707,7 @@ def test_a_resume_warns_of_an_unverified_step_and_refuses_a_newer_format(nan_run
     assert main(argv) == 2
     message = _one_line_error(capsys)
     assert "has checkpoint format version 99 (written by equishard" in message
-    assert "newer than the version 1 this equishard reads" in message
+    assert f"newer than the version {FORMAT_VERSION} this equishard reads" in message
 
 
 def test_what_a_resume_reads_back_is_refused_in_one_line(nan_run, tmp_path, capsys, monkeypatch):
