@@ -83,7 +83,7 @@ _NEUTRAL = {
     "batch_chunks", "overwrite", "require_verified", "profile",
 }  # fmt: skip
 # Options that change how the same computation is laid out on the devices.
-_LAYOUT = ("layout", "sequence_parallel", "microbatches", "pipeline_repeats", "pipeline_schedule", "zero")
+_LAYOUT = ("layout", "sequence_parallel", "cp_impl", "microbatches", "pipeline_repeats", "pipeline_schedule", "zero")
 
 
 def _field_types() -> dict[str, tuple[type, ...]]:
