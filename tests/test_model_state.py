@@ -227,6 +227,31 @@ def test_batch_norm_in_the_global_view():
     _assert_curve(losses, reference[:3])
 
 
+def test_mixed_precision_casts_the_model_and_keeps_the_state_float32():
+    """`compute_dtype=bfloat16`: the loss sees the model in bfloat16 (the input cast is
+    the user's, as on one device); the running statistics stay float32, step after step,
+    and the losses follow the float32 one-device curve within bfloat16's 1e-2."""
+    mesh = es.make_mesh("dp=4,fsdp=2")
+    inner = make_loss(data_axes(mesh))
+
+    def loss_fn(model, state, batch, key):
+        x, y = batch
+        return inner(model, state, (x.astype(jnp.bfloat16), y), key)
+
+    step = make_train_step(
+        loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(data_axes(mesh)), compute_dtype=jnp.bfloat16,
+        donate=False, compiler_options=FAST_COMPILE,
+    )  # fmt: skip
+    state = _init("dp=4,fsdp=2")
+    dtypes = [x.dtype for x in jax.tree.leaves(state.model_state)]
+    losses = []
+    for batch in _batches()[:3]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        assert [x.dtype for x in jax.tree.leaves(state.model_state)] == dtypes
+    _assert_curve(losses, _train("dp=1")[1][:3], tol=1e-2)
+
+
 def test_per_device_statistics_need_the_local_view():
     with pytest.raises(es.LayerConfigError, match="batch_stats='device'"):
         make_train_step(make_loss(()), OPTIMIZER, mesh=es.make_mesh("dp=8"), batch_spec=P("dp"),
