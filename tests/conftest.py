@@ -26,6 +26,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(functools.partial(shutil.rmtree, _cache, ignore_errors=True))
 # Programs that compile in under a quarter of a second are not worth a disk round trip.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+# The tests' programs are tiny and run once or a few times, so most of their time is
+# XLA:CPU compiling them, and most of that is LLVM optimising the generated code. LLVM's
+# -O0 (and without its expensive passes) cuts the compile time by about a third; the HLO
+# — sharding, collectives, fusion, buffer assignment, the memory and cost analyses the
+# tests read — is the same at every LLVM level, and the values stay within the tests'
+# tolerances. A caller's own XLA_FLAGS come after these and win.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{_FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 import jax  # noqa: E402
 
