@@ -31,7 +31,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
 # -O0 (and without its expensive passes) cuts the compile time by about a third; the HLO
 # — sharding, collectives, fusion, buffer assignment, the memory and cost analyses the
 # tests read — is the same at every LLVM level, and the values stay within the tests'
-# tolerances. A caller's own XLA_FLAGS come after these and win.
+# tolerances. A test that needs bits equal across two fusions compiles its program with
+# `helpers.OPTIMISED`. A caller's own XLA_FLAGS come after these and win.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{_FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
 

@@ -23,7 +23,7 @@ from equishard.nn import Dense, TPAsyncDense, TPDense
 from equishard.report import count_collectives, read_collectives
 
 from . import seed_oracles as ref
-from .helpers import assert_tree_allclose
+from .helpers import OPTIMISED, assert_tree_allclose
 
 B, T, D, F = 2, 5, 24, 48  # T odd: no constraint on the tokens
 SIZES = (2, 3, 4)
@@ -56,7 +56,8 @@ def build(n, dp=1):
             layers[name] = (up, down)
         return layers
 
-    layers = es.sharded_init(lambda: make(), mesh=mesh_of(n, dp))
+    # Bit-equal kernels (test_tp_dense_matches_reference_oracle): compiled as users do.
+    layers = es.sharded_init(lambda: make(), mesh=mesh_of(n, dp), compiler_options=OPTIMISED)
     # Non-zero biases, the same for every variant.
     kb = jax.random.key(4)
     bias_up = jax.random.normal(kb, (F,))

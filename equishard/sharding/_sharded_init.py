@@ -35,7 +35,13 @@ def check_threefry_partitionable() -> bool:
     return on
 
 
-def sharded_init(make: Callable[..., PyTree], *args: Any, mesh: Mesh, **kwargs: Any) -> PyTree:
+def sharded_init(
+    make: Callable[..., PyTree],
+    *args: Any,
+    mesh: Mesh,
+    compiler_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> PyTree:
     """Call `make(*args, **kwargs)` so that its result is born sharded on `mesh`.
 
     ```python
@@ -48,6 +54,11 @@ def sharded_init(make: Callable[..., PyTree], *args: Any, mesh: Mesh, **kwargs: 
       dynamic arguments; everything else is closed over.
     - `*args`, `**kwargs`: passed to `make` (typically a PRNG key).
     - `mesh`: the mesh to place the result on.
+    - `compiler_options`: XLA options for the initialisation's program only, as
+      `jax.jit`'s (e.g. `{"xla_backend_optimization_level": 0}`: on a CPU, a model's
+      random initialisation compiles about as long as its train step); the defaults
+      and the `XLA_FLAGS` environment variable otherwise. (So `make` cannot take a
+      keyword argument of that name.)
 
     **Returns:**
 
@@ -62,10 +73,12 @@ def sharded_init(make: Callable[..., PyTree], *args: Any, mesh: Mesh, **kwargs: 
     # The mesh is made ambient so that `make` may consult it (e.g. `FSDP` and
     # `shard_params` read the size of their axis from it).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return _sharded_init(make, args, kwargs, mesh)
+        return _sharded_init(make, args, kwargs, mesh, compiler_options)
 
 
-def _sharded_init(make: Callable[..., PyTree], args: Any, kwargs: Any, mesh: Mesh) -> PyTree:
+def _sharded_init(
+    make: Callable[..., PyTree], args: Any, kwargs: Any, mesh: Mesh, compiler_options: dict[str, Any] | None
+) -> PyTree:
     shapes = eqx.filter_eval_shape(make, *args, **kwargs)
     specs = specs_of(shapes)
     check_tree_specs(shapes, specs, mesh)
@@ -83,5 +96,5 @@ def _sharded_init(make: Callable[..., PyTree], args: Any, kwargs: Any, mesh: Mes
         out_static.append(rest)
         return out_dyn
 
-    out = jax.jit(build, out_shardings=shardings)(dynamic)
+    out = jax.jit(build, out_shardings=shardings, compiler_options=compiler_options)(dynamic)
     return eqx.combine(out, out_static[-1])
