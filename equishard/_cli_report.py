@@ -88,6 +88,9 @@ def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, 
         optimizer=make_optimizer(train), clip_norm=train.clip_norm, devices=devices,
         name=args.model, optimizer_name="AdamW", dtype=_DTYPES[args.dtype],
         param_dtype=_DTYPES[args.param_dtype],
+        # float32 parameters: the step casts them, as `train --dtype` (whose parameters
+        # are float32); others are cast by the loss, as before `--param-dtype` existed.
+        mixed_precision=args.param_dtype == "float32",
     )  # fmt: skip
     return report, facts, layout
 
@@ -407,7 +410,7 @@ def _duration(seconds: float) -> str:
 
 def _add_dtype_options(p: argparse.ArgumentParser) -> None:
     """`--dtype`, `--param-dtype` and `--wide`: the step's dtypes and the output's width."""
-    p.add_argument("--dtype", default="float32", choices=tuple(_DTYPES), help="compute dtype (the loss casts the parameters to it, as train --dtype does)")
+    p.add_argument("--dtype", default="float32", choices=tuple(_DTYPES), help="compute dtype (mixed precision, as train --dtype: the step casts the float32 parameters to it, gradients reduced in float32)")
     p.add_argument("--param-dtype", default="float32", choices=tuple(_DTYPES), help="dtype the parameters and optimizer moments are stored in")
     p.add_argument("--wide", action="store_true", help=f"print every table at full width (default: fit {WIDTH} columns)")
 

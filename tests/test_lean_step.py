@@ -16,8 +16,10 @@ import numpy as np
 import optax
 import pytest
 
+import equishard.models
 from equishard import LayerConfigError
-from equishard.models import GPT, GPTConfig, cast_floating
+from equishard._cli import main
+from equishard.models import GPT, GPTConfig, abstract_train_step, cast_floating
 from equishard.sharding import Layout, Parallelism
 from equishard.train import init_train_state, make_train_step
 
@@ -134,6 +136,33 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_float32():
     assert not default[("all_reduce", "bf16")]
     assert reduced[("reduce_scatter", "bf16")] == default[("reduce_scatter", "f32")]
     assert reduced[("all_reduce", "bf16")] > 0
+
+
+class _Reported(Exception):
+    pass
+
+
+def test_inspect_and_plan_lower_the_step_train_runs_in_bfloat16(monkeypatch):
+    """`equishard inspect/plan --dtype bfloat16` report on the program `train --dtype
+    bfloat16` runs: the step casts (gathers in bf16, reductions in f32), not the loss."""
+    batch = jax.ShapeDtypeStruct((16, 33), jnp.int32)
+    state, step = _gpt_step("dp=4,fsdp=2", compute_dtype=jnp.bfloat16)
+    trained = _collective_dtypes(step.lower(state, batch).as_text())
+    abstract = abstract_train_step(
+        MP, Layout("dp=4,fsdp=2"), batch_size=16, seq_len=32, optimizer=optax.adamw(3e-3),
+        dtype=jnp.bfloat16, mixed_precision=True,
+    )  # fmt: skip
+    assert _collective_dtypes(abstract.lowered.as_text()) == trained
+    asked = {}
+
+    def gpt_report(*args, **kwargs):
+        asked.update(kwargs)
+        raise _Reported
+
+    monkeypatch.setattr(equishard.models, "gpt_report", gpt_report)
+    with pytest.raises(_Reported):
+        main(["inspect", "--dtype", "bfloat16"])
+    assert asked["mixed_precision"] is True and jnp.dtype(asked["dtype"]) == jnp.bfloat16
 
 
 def test_mixed_precision_on_a_layout_follows_one_device():

@@ -36,6 +36,7 @@ def gpt_report(
     optimizer_name: str | None = None,
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
+    mixed_precision: bool = False,
 ) -> tuple[StepReport, dict[str, float]]:
     """Compile the reference GPT's train step for `layout` and report on it.
 
@@ -49,8 +50,9 @@ def gpt_report(
     - `devices`: the devices of the mesh (default: all of JAX's devices).
     - `name`, `optimizer_name`: the model's and the optimizer's names for the
       description line.
-    - `dtype`, `param_dtype`: the compute and parameter dtypes (see
-      `abstract_train_step`).
+    - `dtype`, `param_dtype`, `mixed_precision`: the compute and parameter dtypes, and
+      whether the step or the loss casts to the compute dtype (see
+      `abstract_train_step`; `equishard inspect` and `plan` set it, as `train` does).
 
     **Returns:**
 
@@ -62,6 +64,7 @@ def gpt_report(
     step = abstract_train_step(
         config, layout, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
         clip_norm=clip_norm, devices=devices, dtype=dtype, param_dtype=param_dtype,
+        mixed_precision=mixed_precision,
     )  # fmt: skip
     start = time.perf_counter()
     compiled = step.lowered.compile()

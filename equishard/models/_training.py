@@ -96,13 +96,13 @@ def gpt_training(
     - `optimizer`: the optax optimizer.
     - `grad_accum`, `clip_norm`: `make_train_step`'s accumulation micro-steps and
       global-norm clipping threshold (`None`: no clipping).
-    - `dtype`: the compute dtype: the loss casts the parameters to it (`equishard train
-      --dtype`).
+    - `dtype`: the compute dtype (how the parameters are cast to it: `mixed_precision`).
     - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
       in.
     - `mixed_precision`: the step casts to `dtype` (`make_train_step(compute_dtype=dtype)`:
       FSDP gathers in `dtype`, gradients reduced in float32) rather than the loss
-      function (gathers and reductions in `dtype`); `equishard train` sets it.
+      function (gathers and reductions in `dtype`); `equishard train`, `inspect` and
+      `plan` set it.
 
     **Returns:**
 
@@ -213,6 +213,7 @@ def abstract_train_step(
     devices: list | None = None,
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
+    mixed_precision: bool = False,
 ) -> AbstractStep:
     """Lower the real GPT train step for `layout` without creating any array.
 
@@ -227,13 +228,13 @@ def abstract_train_step(
     - `clip_norm`: the global-norm clipping threshold of `make_train_step` (`None`:
       no clipping).
     - `devices`: the devices of the mesh (default: all of JAX's devices).
-    - `dtype`: the compute dtype: the loss casts the parameters to it, as
-      `equishard train --dtype` does.
+    - `dtype`: the compute dtype (how the parameters are cast to it: `mixed_precision`).
     - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
       in.
     - `mixed_precision`: the step casts to `dtype` (`make_train_step(compute_dtype=dtype)`:
       FSDP gathers in `dtype`, gradients reduced in float32) rather than the loss
-      function (gathers and reductions in `dtype`); `equishard train` sets it.
+      function (gathers and reductions in `dtype`); `equishard train`, `inspect` and
+      `plan` set it.
 
     **Returns:**
 
@@ -249,8 +250,9 @@ def abstract_train_step(
     start = time.perf_counter()
     mesh = resolved.mesh(devices)
     training = gpt_training(
-        config, resolved, mesh, optimizer, clip_norm=clip_norm, dtype=dtype, param_dtype=param_dtype
-    )
+        config, resolved, mesh, optimizer, clip_norm=clip_norm, dtype=dtype, param_dtype=param_dtype,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     state = abstract_state(lambda: training.init_state(jax.random.key(0)), mesh)
     sharding = NamedSharding(mesh, resolved.batch_spec)
     batch: Any
