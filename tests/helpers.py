@@ -24,12 +24,14 @@ BF16_RTOL = 1e-2
 # optimisation passes. On XLA:CPU they take about 2 s per random-number kernel (a
 # dropout's mask, a layer's initialisation) and the compile of a small train step with
 # dropout goes from 7.3 s to 2.1 s. A test compares programs compiled alike (a layout
-# against one device); the optimised programs are the rest of the suite's.
+# against one device).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-# The conftest makes FAST_COMPILE the default of every program the suite compiles. A test
-# that compares the bits of two differently fused computations of the same values (an
-# initialisation against its permuted copy) compiles them as users do: LLVM's -O0 rounds
-# some of XLA:CPU's elementwise code differently from one fusion to the next (1 ulp).
+# The conftest makes this level the default of every program the suite compiles (through
+# XLA_FLAGS, set before JAX is imported), so passing FAST_COMPILE changes nothing there; a
+# caller's own XLA_FLAGS can raise the default again. A test that compares the bits of
+# two differently fused computations of the same values (an initialisation against its
+# permuted copy) compiles them as users do, with OPTIMISED: LLVM's -O0 rounds some of
+# XLA:CPU's elementwise code differently from one fusion to the next (1 ulp).
 OPTIMISED = {"xla_backend_optimization_level": 3}
 
 
