@@ -523,8 +523,11 @@ def test_program_ending_without_close_never_keeps_a_partial_step(tmp_path):
     script.write_text(_UNCLOSED_CHILD)
     directory = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    # It ends at once: no orbax thread waits out its timeout (Python 3.12 held the exit
+    # for five minutes while the step's directory was made by a thread of its own).
     done = subprocess.run(
-        [sys.executable, str(script), str(directory)], capture_output=True, text=True, env=env
+        [sys.executable, str(script), str(directory)],
+        capture_output=True, text=True, env=env, timeout=120,
     )
     names = sorted(p.name for p in directory.iterdir())
     if "2" not in names:  # the usual case: the write was cut off at exit

@@ -307,6 +307,11 @@ class Checkpointer:
             # joins only at the next save, and fails at exit if there is none.
             cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
+            # The step's directories are made in `save`, not by a thread of their own: if
+            # the program ends mid-save, orbax's writer threads waited on that thread's
+            # signal, which never came under Python 3.12 (no new threads at shutdown),
+            # until orbax's timeout, holding the exit for minutes.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self._arrays_handler = _ArraysHandler()
         self._manager = ocp.CheckpointManager(
