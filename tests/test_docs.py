@@ -3,7 +3,9 @@ and every public name is in the API reference with a docstring.
 
 Each guide includes its code, section by section, from one script in `docs/examples/`
 (`--8<-- "examples/NAME.py:section"`). Each script is run here once, in-process, on
-the 8 CPU devices the conftest simulates, and its printed output is checked two ways:
+the 8 CPU devices the conftest simulates (one that prints a compiled program's memory in
+a process of its own, compiled as users compile), and its printed output is checked two
+ways:
 
 - the results each guide is about (losses equal across layouts, gradients equal to the
   single-device ones, bytes per device, ...) are parsed and asserted;
@@ -65,9 +67,22 @@ OUTPUT_BLOCK = re.compile(
 NUMBER = r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 
 
+# Examples that print a compiled program's memory (`equishard inspect`): run in a process
+# of their own with the XLA flags a user's program gets (the conftest's
+# TESTS_USERS_XLA_FLAGS: without JAX 0.10's older fusion emitters, which fuse a few
+# buffers differently).
+AS_USERS = {"inspect_and_plan.py"}
+
+
 @functools.cache
 def run_example(name: str) -> str:
     """Run `docs/examples/<name>` as `__main__`; return what it printed."""
+    if name in AS_USERS:
+        env = dict(os.environ, XLA_FLAGS=os.environ["TESTS_USERS_XLA_FLAGS"])
+        argv = [sys.executable, str(EXAMPLES / name)]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         runpy.run_path(str(EXAMPLES / name), run_name="__main__")

@@ -21,8 +21,6 @@ import equishard as es
 from equishard.core import example_keys
 from equishard.train import init_train_state, make_train_step
 
-from .helpers import FAST_COMPILE
-
 DIM, HIDDEN, TOKENS, BATCH, STEPS = 32, 64, 4, 8, 4
 
 
@@ -98,7 +96,7 @@ def _train(layout, plan=None, with_probe=False):
 
     optimizer = optax.adamw(1e-2)
     state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(loss_for(data), optimizer, mesh=mesh, batch_spec=P(data), compiler_options=FAST_COMPILE)
+    step = make_train_step(loss_for(data), optimizer, mesh=mesh, batch_spec=P(data))
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)

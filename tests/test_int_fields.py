@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.train import Checkpointer, init_train_state, make_train_step
 
-from .helpers import FAST_COMPILE, assert_tree_allclose
+from .helpers import assert_tree_allclose
 
 DIM, BATCH, STEPS = 48, 16, 5
 
@@ -97,8 +97,7 @@ def _train(layout):
     mesh = es.make_mesh(layout)
     axis = mesh.axis_names[0]
     state = init_train_state(make_model(layout), OPTIMIZER, jax.random.key(0), mesh=mesh)
-    step = make_train_step(loss_for(axis), OPTIMIZER, mesh=mesh, batch_spec=P(axis), clip_norm=1.0,
-                           compiler_options=FAST_COMPILE)  # fmt: skip
+    step = make_train_step(loss_for(axis), OPTIMIZER, mesh=mesh, batch_spec=P(axis), clip_norm=1.0)  # fmt: skip
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)

@@ -28,7 +28,7 @@ from equishard.train import (
     make_train_step,
 )
 
-from .helpers import FAST_COMPILE, assert_tree_allclose, fast_jit, rel_err
+from .helpers import assert_tree_allclose, jit_once, rel_err
 
 BATCH, STEPS, DATA_SHARDS = 16, 10, 8
 LAYOUTS = ["dp=8", "fsdp=8", "dp=4,fsdp=2"]
@@ -104,7 +104,7 @@ def _cnn():
     """`eqx.nn.make_with_state(CNN)(key=fold_in(key(0), 0))`, what `init_train_state`
     builds from `jax.random.key(0)`, initialised once (compiling the random-number
     kernels of an initialisation takes seconds on XLA:CPU); every layout starts from it."""
-    return fast_jit(lambda k: eqx.nn.make_with_state(CNN)(key=jax.random.fold_in(k, 0)))(jax.random.key(0))
+    return jit_once(lambda k: eqx.nn.make_with_state(CNN)(key=jax.random.fold_in(k, 0)))(jax.random.key(0))
 
 
 def make_model(layout):
@@ -130,7 +130,7 @@ def _step(layout, grad_accum=1, batch_stats="global"):
     axes = data_axes(mesh)
     return make_train_step(
         make_loss(axes), OPTIMIZER, mesh=mesh, batch_spec=P(axes), grad_accum=grad_accum,
-        batch_stats=batch_stats, donate=False, compiler_options=FAST_COMPILE,
+        batch_stats=batch_stats, donate=False,
     )  # fmt: skip
 
 
@@ -183,7 +183,7 @@ def _per_device_reference():
     loss_fn = make_loss(())
     params, static = eqx.partition(model, eqx.is_array)
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @jax.jit
     def step(params, state, opt_state, batch):
         model = eqx.combine(params, static)
         def loss(model):
@@ -217,7 +217,7 @@ def test_per_device_batch_statistics_equal_a_per_device_reference():
 def test_batch_norm_in_the_global_view():
     mesh = es.make_mesh("dp=8")
     step = make_train_step(make_loss(()), OPTIMIZER, mesh=mesh, batch_spec=P("dp"), view="global",
-                           grad_accum=2, compiler_options=FAST_COMPILE)  # fmt: skip
+                           grad_accum=2)  # fmt: skip
     state = _init("dp=8")
     losses = []
     for batch in _batches()[:3]:
@@ -240,7 +240,7 @@ def test_mixed_precision_casts_the_model_and_keeps_the_state_float32():
 
     step = make_train_step(
         loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(data_axes(mesh)), compute_dtype=jnp.bfloat16,
-        donate=False, compiler_options=FAST_COMPILE,
+        donate=False,
     )  # fmt: skip
     state = _init("dp=4,fsdp=2")
     dtypes = [x.dtype for x in jax.tree.leaves(state.model_state)]
@@ -263,7 +263,7 @@ def _infer(model, state, x):
         forward = jax.vmap(eqx.nn.inference_mode(model), in_axes=(0, None), out_axes=(0, None), axis_name="batch")
         return forward(x, state)[0]
 
-    return fast_jit(infer)(model, state, x)
+    return jit_once(infer)(model, state, x)
 
 
 def test_inference_on_the_gathered_model_equals_one_devices(tmp_path):
@@ -385,7 +385,7 @@ def _spectral_losses(layout):
 
     make = lambda k: eqx.nn.make_with_state(Spectral)(key=k)  # noqa: E731
     state = init_train_state(make, OPTIMIZER, jax.random.key(0), mesh=mesh)
-    step = make_train_step(loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(axes), compiler_options=FAST_COMPILE)
+    step = make_train_step(loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(axes))
     rng = np.random.default_rng(1)
     losses = []
     for _ in range(4):

@@ -23,7 +23,7 @@ from equishard.nn import (
     scale_init,
 )
 
-from .helpers import assert_tree_allclose, check_against_single_device, perturb
+from .helpers import OPTIMISED, assert_tree_allclose, check_against_single_device, jit_once, perturb
 
 B, T, IN, OUT, HID, R = 4, 8, 16, 24, 32, 4
 LAYOUTS = ["dp=1,tp=1", "dp=1,tp=2", "dp=1,tp=4", "dp=1,tp=8", "dp=2,tp=4"]
@@ -124,8 +124,10 @@ def test_strided_storage_gives_each_device_its_interleaved_parts(getkey):
     mesh = es.make_mesh("tp=4")
     key = getkey()
     make = lambda k: ColumnParallelLinear(IN, OUT, stride=3, key=k)  # noqa: E731
-    layer = eqx.filter_jit(make)(key)  # the single-device weight (built under jit, as sharded_init does)
-    sharded = es.sharded_init(make, key, mesh=mesh)
+    # The single-device weight, built under jit as sharded_init builds (both compiled as
+    # users compile: the comparison is bit for bit).
+    layer = jit_once(make, OPTIMISED)(key)
+    sharded = es.sharded_init(make, key, mesh=mesh, compiler_options=OPTIMISED)
     master = np.asarray(layer.master_weight)
     c = OUT // 3 // 4
     for shard in sharded.weight.value.addressable_shards:
@@ -146,8 +148,8 @@ def test_init_types_are_mesh_invariant_and_mean_what_they_say():
         layers.append(ColumnParallelLinear(IN, OUT, stride=3, lora_rank=R, key=keys[-1]))
         return layers
 
-    single = eqx.filter_jit(make)(key)  # single device, under jit as sharded_init builds
-    sharded = es.sharded_init(make, key, mesh=es.make_mesh("dp=2,tp=4"))
+    single = jit_once(make, OPTIMISED)(key)  # single device, under jit as sharded_init builds
+    sharded = es.sharded_init(make, key, mesh=es.make_mesh("dp=2,tp=4"), compiler_options=OPTIMISED)
     for a, b in zip(jax.tree.leaves(es.gather(sharded)), jax.tree.leaves(single), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit-identical
 

@@ -26,7 +26,7 @@ import equishard as es
 from equishard.core import example_keys
 from equishard.train import init_train_state, make_train_step
 
-from .helpers import FAST_COMPILE, fast_jit, rel_err
+from .helpers import jit_once, rel_err
 
 VOCAB, DIM, HEADS, KV_HEADS, FF, LAYERS = 64, 64, 4, 2, 128, 1
 BATCH, SEQ, STEPS = 16, 16, 10
@@ -153,7 +153,7 @@ def _llama():
     steps up: from `jax.random.key(0)` directly, the first norm's bias differs by
     2.5e-5 between one device and fsdp=4,tp=2 after 10 LAMB steps, every loss within
     3.3e-7, every other array within 8.5e-7.)"""
-    return fast_jit(lambda k: Llama(key=jax.random.fold_in(k, 0)))(jax.random.key(0))
+    return jit_once(lambda k: Llama(key=jax.random.fold_in(k, 0)))(jax.random.key(0))
 
 
 @functools.cache
@@ -215,12 +215,6 @@ OPTIMIZERS = {
 TRANSFORMS = {**OPTIMIZERS, "sgd": lambda: optax.sgd(0.1)}
 
 
-# The programs here are compiled with `FAST_COMPILE` (no backend optimisation: the
-# dropout's random-number kernels compile slowly on XLA:CPU). Measured: the ten losses
-# of the one-device run differ by 4.5e-7 between the two levels, and fsdp=4,tp=2
-# differs from one device by 3.3e-7 compiled fast, 2.2e-7 optimised.
-
-
 @functools.cache
 def _train(layout, *, grad_accum=1, optimizer="adamw"):
     """Ten steps of `layout` with `TRANSFORMS[optimizer]`: the final state, the losses,
@@ -238,7 +232,6 @@ def _train(layout, *, grad_accum=1, optimizer="adamw"):
         mesh=mesh,
         batch_spec=P(data),
         grad_accum=grad_accum,
-        compiler_options=FAST_COMPILE,
     ).compile(state, _batches()[0])
     losses, norms = [], []
     for batch in _batches():
@@ -273,7 +266,6 @@ def _train_global(layout, *, grad_accum=1):
         batch_spec=P(data),
         grad_accum=grad_accum,
         view="global",
-        compiler_options=FAST_COMPILE,
     )
     losses = []
     for batch in _batches():
@@ -420,7 +412,7 @@ def test_unbox_of_gather_gives_back_the_plain_model():
     wrapped = es.sharded_init(lambda k: es.nn.fsdp_wrap(original, "fsdp", policy=fsdp_policy), jax.random.key(0), mesh=mesh)
     ruled = es.shard(es.apply_rules(original, tp_rules("fsdp")[:1] + [(r"attn\.wo", P("fsdp"))]), es.make_mesh("fsdp=4,tp=2"))
     tokens, key = _batches()[0][0, :-1], jax.random.key(1)
-    call = fast_jit(lambda m: m(tokens, key=key))
+    call = jit_once(lambda m: m(tokens, key=key))
     want = call(original)
     for model in (wrapped, ruled):
         plain = es.unbox(es.gather(model))
@@ -653,9 +645,9 @@ def test_multihead_attention_dropout_draws_the_one_device_masks(layout):
         return out, g_x
 
     parallel = es.parallelize(model, {"attn": "heads"}, mesh, probe=lambda m: m.attn(x, x, x, key=key))
-    want = fast_jit(run)(model, x)
-    got = fast_jit(es.filter_shard_map(run, mesh=mesh, out_specs=P()))(parallel, x)
-    assert rel_err(want[0], fast_jit(lambda m: m.attn(x, x, x, inference=True))(model)) > 0.1  # dropout is on
+    want = jit_once(run)(model, x)
+    got = jit_once(es.filter_shard_map(run, mesh=mesh, out_specs=P()))(parallel, x)
+    assert rel_err(want[0], jit_once(lambda m: m.attn(x, x, x, inference=True))(model)) > 0.1  # dropout is on
     for a, b in zip(got, want):
         assert rel_err(a, b) <= 1e-6, layout
 
@@ -669,7 +661,7 @@ def test_unbox_of_gather_gives_plain_one_device_layers():
     ids = jnp.arange(16).reshape(2, 8)
     nn = es.nn
     # Initialised in one compiled program (eagerly, op by op, it takes longer).
-    built = fast_jit(
+    built = jit_once(
         lambda key: [
             nn.ColumnParallelLinear(16, 24, stride=3, lora_rank=2, key=key),
             nn.RowParallelLinear(16, 32, key=key),
@@ -680,7 +672,7 @@ def test_unbox_of_gather_gives_plain_one_device_layers():
         ]
     )(key)
     fsdp = nn.FSDP(built.pop(), "fsdp", mesh=es.make_mesh("fsdp=8"), min_weight_size=1)
-    call = fast_jit(lambda m, a: m(a))
+    call = jit_once(lambda m, a: m(a))
     for layer, inputs in zip([*built, fsdp], [x, x, ids, x, x, x]):
         plain = es.unbox(es.gather(layer))
         assert not any(es.is_sharded(leaf) for leaf in jax.tree.leaves(plain, is_leaf=es.is_sharded))
@@ -690,7 +682,7 @@ def test_unbox_of_gather_gives_plain_one_device_layers():
     # A pipeline over pp=2: its one-device model is its layers in order.
     mesh = es.make_mesh("dp=2,pp=2,tp=2")
     pipe = es.shard(
-        fast_jit(
+        jit_once(
             lambda k: nn.PipelineModule(lambda kk: nn.TransformerBlock(16, 4, 32, key=kk), "pp", 2, num_layers=4, num_stages=2, key=k)
         )(key),
         mesh,
@@ -701,4 +693,4 @@ def test_unbox_of_gather_gives_plain_one_device_layers():
     xs = jax.random.normal(key, (8, 4, 16))
     plain = es.unbox(es.gather(pipe))
     assert isinstance(plain, eqx.nn.Sequential) and len(plain.layers) == 4
-    assert rel_err(call(plain, xs), fast_jit(run)(pipe, xs)) <= 1e-5
+    assert rel_err(call(plain, xs), jit_once(run)(pipe, xs)) <= 1e-5
