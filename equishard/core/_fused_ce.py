@@ -85,12 +85,12 @@ def _reduce(x: Array, op: str, opts: _Options) -> Array:
 
 
 def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: _Options):
-    """One chunk's logits, softmax and per-token results (all float32 but `z_raw`).
+    """One chunk's logits and per-token results (all float32).
 
     `h`: `[C, D]`, `w`: `[V/n, D]`, `labels`/`valid`: `[C]`, `start`: the first vocabulary
-    id this device holds. Returns `(z, p, lse, loss, ce, correct, mine, index)`: `z` the
-    (capped) logits `f32[C, V/n]`, `p` their softmax, the per-token `[C]` results, and
-    where the label is among this device's rows (`mine`, `index` `[C, 1]`).
+    id this device holds. Returns `(z, lse, loss, ce, correct, mine, index)`: `z` the
+    (capped) logits `f32[C, V/n]`, the per-token `[C]` results, and where the label is
+    among this device's rows (`mine`, `index` `[C, 1]`).
     """
     vocab_local = w.shape[0]
     # bf16[C, D] @ bf16[D, V/n] -> bf16[C, V/n] (the inputs' dtype), then float32
@@ -99,8 +99,9 @@ def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: 
         z = opts.softcap * jnp.tanh(z / opts.softcap)
     local_max = jnp.max(z, axis=-1)
     m = _reduce(local_max, "max", opts)  # f32[C]: the global maximum
-    e = jnp.exp(z - m[:, None])
-    s = _reduce(jnp.sum(e, axis=-1), "sum", opts)
+    # The exponentials are summed where they are made (never stored: the gradient makes
+    # the softmax again from `z` and `lse`).
+    s = _reduce(jnp.sum(jnp.exp(z - m[:, None]), axis=-1), "sum", opts)
     lse = m + jnp.log(s)  # f32[C]
     local = labels - start
     mine = (local >= 0) & (local < vocab_local)
@@ -121,13 +122,17 @@ def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: 
     correct = _reduce(candidate, "min", opts) == labels
     zero = jnp.zeros((), jnp.float32)
     loss, ce = jnp.where(valid, loss, zero), jnp.where(valid, ce, zero)
-    return z, e / s[:, None], lse, loss, ce, correct & valid, mine, index
+    return z, lse, loss, ce, correct & valid, mine, index
 
 
-def _grad_logits(z, p, lse, valid, mine, index, opts: _Options) -> Array:
-    """The gradient of a chunk's summed loss with respect to its raw logits, `f32[C, V/n]`."""
+def _grad_logits(z, lse, valid, mine, index, opts: _Options) -> Array:
+    """The gradient of a chunk's summed loss with respect to its raw logits, `f32[C, V/n]`.
+
+    The softmax is `exp(z - lse)`, made here in the same pass as the gradient: one
+    `f32[C, V/n]` array (the logits) per chunk, not a second one of exponentials.
+    """
     scale = 1.0 + 2.0 * opts.z_loss * lse if opts.z_loss else jnp.ones_like(lse)
-    g = p * scale[:, None]
+    g = jnp.exp(z - lse[:, None]) * scale[:, None]
     if opts.smoothing:
         g = g - opts.smoothing / opts.vocab
     onehot = jnp.arange(z.shape[-1], dtype=jnp.int32)[None, :] == index
@@ -144,11 +149,11 @@ def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads
 
     def body(dw: Any, xs: tuple[Array, Array, Array]) -> tuple[Any, Any]:
         h_c, labels_c, valid_c = xs
-        z, p, lse, loss, ce, correct, mine, index = _chunk(h_c, w, labels_c, valid_c, start, opts)
+        z, lse, loss, ce, correct, mine, index = _chunk(h_c, w, labels_c, valid_c, start, opts)
         sums = (jnp.sum(loss), jnp.sum(ce), jnp.sum(correct.astype(jnp.int32)))
         if not grads:
             return dw, (sums, None)
-        g = _grad_logits(z, p, lse, valid_c, mine, index, opts).astype(w.dtype)
+        g = _grad_logits(z, lse, valid_c, mine, index, opts).astype(w.dtype)
         # bf16[C, V/n] @ bf16[V/n, D] -> [C, D]: this device's part of the input's gradient
         dh = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(h.dtype)
         # bf16[V/n, C] @ bf16[C, D] -> f32[V/n, D], accumulated over the chunks
