@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "equishard"
 # one floor are siblings and import neither each other nor anything above.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("_errors", "_names", "_text", "_version", "_warn"),
-    ("_axes", "_env"),
+    ("_axes", "_compile", "_env"),
     ("core", "sharding", "distributed"),
     ("nn",),
     ("report",),

@@ -222,3 +222,21 @@ def test_train_state_fields_are_those_of_the_checkpoint_format(monkeypatch):
     monkeypatch.setitem(_state.TRAIN_STATE_FIELDS, _state.FORMAT_VERSION, ("step", "model"))
     with pytest.raises(RuntimeError, match="a change to TrainState needs a new FORMAT_VERSION"):
         _state._check_fields()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"xla_bogus_option": 1}, r"XLA refuses compiler_options \{'xla_bogus_option': 1\}: .*No such compile option: 'xla_bogus_option'"),
+        ({"xla_backend_optimization_level": "fast"}, r"xla_backend_optimization_level, 'fast' is not a valid int32 value"),
+        ({"xla_backend_optimization_level": [0]}, r"each value must be a number, a bool or a string"),
+    ],
+)
+def test_compiler_options_xla_refuses_are_named_before_tracing(options, match):
+    def loss_fn(model, batch, key):
+        raise AssertionError("traced")  # the options are refused before
+
+    with pytest.raises(es.EquishardError, match=rf"make_train_step: .*{match}"):
+        make_train_step(loss_fn, SGD, mesh=_mesh(), batch_spec=P("dp"), compiler_options=options)
+    with pytest.raises(es.EquishardError, match=rf"sharded_init: .*{match}"):
+        es.sharded_init(_model, jax.random.key(0), mesh=_mesh(), compiler_options=options)

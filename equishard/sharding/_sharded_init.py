@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
+from .._compile import check_compiler_options
 from .._warn import warn
 from ._specs import check_tree_specs, is_array_like, is_spec, specs_of
 
@@ -67,9 +68,10 @@ def sharded_init(
     **Raises:**
 
     `SpecError` (path, shape, spec, mesh) if a spec does not fit, before anything is
-    computed.
+    computed; `EquishardError` for `compiler_options` XLA refuses.
     """
     check_threefry_partitionable()
+    compiler_options = check_compiler_options(compiler_options, "sharded_init")
     # The mesh is made ambient so that `make` may consult it (e.g. `FSDP` and
     # `shard_params` read the size of their axis from it).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -35,6 +35,7 @@ from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._compile import check_compiler_options
 from .._errors import LayerConfigError, TrainStepError
 from ..sharding import filter_shard_map, path_str, shard
 from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, ZeroAxes
@@ -471,10 +472,12 @@ def make_train_step(
     when the step is called or compiled, for what breaks its contract: a loss function
     that does not return a floating scalar and a dict of metrics, an optimizer whose
     state changes structure or dtype in its update, a state donated already or laid out
-    on another mesh, a compiled step given a batch of another shape.
+    on another mesh, a compiled step given a batch of another shape. `EquishardError`
+    for `compiler_options` that XLA refuses, before anything is traced.
     """
     _check_options(grad_accum, view, mesh, clip_norm)
     _check_batch_stats(batch_stats, view)
+    compiler_options = check_compiler_options(compiler_options, "make_train_step")
     layout = opt_state_sharding(zero, mesh, zero_min_weight_size, "make_train_step")
     data_axes = data_axes_of(batch_spec) if view == "local" else ()
     precision = precision_of(compute_dtype, gather_dtype, reduce_dtype, data_axes)
