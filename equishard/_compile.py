@@ -29,7 +29,7 @@ def check_compiler_options(options: Mapping[str, Any] | None, where: str) -> dic
     """The XLA options `options` as a dict, once XLA has accepted them.
 
     XLA reads them on a program of one instruction, compiled for the default backend
-    (a few milliseconds, once per set of options in a process), so that a bad name or
+    (a fraction of a second, once per set of options in a process), so that a bad name or
     value is reported before the program they are for is traced.
 
     **Arguments:**

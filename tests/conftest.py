@@ -40,8 +40,8 @@ os.environ.setdefault("TESTS_USERS_XLA_FLAGS", f"{_FAST_COMPILE} {os.environ.get
 # JAX 0.10's XLA:CPU also has its older fusion emitters, which compile the suite's
 # programs 2-3x faster than the default MLIR ones (a GPT step on fsdp=4,tp=2: 2.9 s
 # against 1.1 s). They fuse a few elementwise ops differently: the sharding and the
-# collectives are the same, the temporaries differ by tens of bytes and some values by
-# an ulp, within every tolerance. So a test that needs bits equal across two fusions
+# collectives are the same, the temporaries differ a little (by 128 and 64 bytes on two
+# small GPT steps) and some values by an ulp, within every tolerance. So a test that needs bits equal across two fusions
 # compiles its programs with `helpers.OPTIMISED` (what users get), and the examples
 # that print a program's memory run with TESTS_USERS_XLA_FLAGS. JAX 0.12 has no such
 # flag (its XLA refuses it).
