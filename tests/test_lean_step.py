@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 import equishard.models
 from equishard import LayerConfigError
 from equishard._cli import main
 from equishard.models import GPT, GPTConfig, abstract_train_step, cast_floating
+from equishard.models._gpt import to_single_device
 from equishard.sharding import Layout, Parallelism
 from equishard.train import init_train_state, make_train_step
 
@@ -75,6 +77,38 @@ def test_the_gpu_benchmark_runs_its_path_on_the_cpu(capsys):
     assert gpt["es_over_plain_time"] > 0
     table = bench.format_table([dict(gpt, framework="jax"), {"config": "x", "error": "not measured"}])
     assert table.count("\n") == 3 and "not measured" in table
+
+
+@pytest.mark.parametrize("patch", ["one_product", "rmsnorm_autodiff"])
+def test_the_gpu_benchmarks_patches_change_no_value(patch, monkeypatch):
+    """A variant that patches the layers (the library's previous ways) computes the same
+    loss and gradients; the patched methods are restored afterwards."""
+    from equishard.nn import _transformer as t
+
+    for cls, name in ((t.ParallelMLP, "__call__"), (t.ParallelAttention, "qkv_heads"), (t.RMSNorm, "__call__")):
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # restored at teardown
+    loss, grads = _value_and_grad(TINY)
+    _bench_gpu().PATCHES[patch]()
+    other_loss, other_grads = _value_and_grad(TINY)
+    assert_tree_allclose(other_loss, loss)
+    assert_tree_allclose(jax.tree.leaves(other_grads), jax.tree.leaves(grads))
+
+
+def test_in_bfloat16_no_activation_is_saved_twice(capsys):
+    """What the bf16 loss keeps for its backward pass (`print_saved_residuals`): every
+    `[batch, tokens, features]` activation once, in bf16 (the residual stream's dtype),
+    none beside a float32 copy of itself: RMSNorm's own backward pass keeps the inverse
+    RMS (`f32[batch, tokens, 1]`), not the upcast input, the normalised values and the
+    broadcast weight that differentiating it would keep (`benchmarks/RESULTS.md`)."""
+    model = to_single_device(GPT(dataclasses.replace(TINY, remat="none"), key=jax.random.key(0)))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 17), dtype=np.int32))
+    loss = lambda p: cast_floating(eqx.combine(p, static), jnp.bfloat16).loss(batch)[0]  # noqa: E731
+    print_saved_residuals(loss, params)
+    saved = capsys.readouterr().out.splitlines()
+    # [layers,] 2 sequences, 16 tokens, d_model 32 or d_ff 64
+    activations = [line.split(" ")[0] for line in saved if re.match(r"\w+\[(\d+,)?2,16,(32|64)\] ", line)]
+    assert "bf16[4,2,16,32]" in activations and not [a for a in activations if a.startswith("f32[")], saved
 
 
 # Mixed precision as a step option ------------------------------------------------------

@@ -30,7 +30,7 @@ LAYOUTS = ["dp=1,tp=1", "dp=1,tp=2", "dp=1,tp=4", "dp=1,tp=8", "dp=2,tp=4"]
 
 
 def build(key):
-    k = jax.random.split(key, 7)
+    k = [*jax.random.split(key, 7), jax.random.fold_in(key, 7)]
     return {
         "col": ColumnParallelLinear(IN, OUT, key=k[0]),
         "col_qkv": ColumnParallelLinear(IN, OUT, stride=3, init_type="orthogonal", key=k[1]),
@@ -41,18 +41,24 @@ def build(key):
         "row": RowParallelLinear(OUT, IN, stride=3, key=k[4]),
         "lora_col": ColumnParallelLinear(IN, OUT, lora_rank=R, lora_alpha=2.0, key=k[5]),
         "lora_row": RowParallelLinear(IN, OUT, lora_rank=R, bias=False, key=k[6]),
+        # Its output in its three stride pieces (`split`), with LoRA and a bias.
+        "split_col": ColumnParallelLinear(IN, OUT, stride=3, lora_rank=R, key=k[7]),
     }
 
 
 INPUT_OF = {"col": "x16", "col_qkv": "x16", "pair": "x16", "row": "x24", "lora_col": "x16", "lora_row": "x16"}
-OUT_DIM = {"col": OUT, "col_qkv": OUT, "pair": IN, "row": IN, "lora_col": OUT, "lora_row": OUT}
+INPUT_OF["split_col"] = "x16"
+OUT_DIM = {"col": OUT, "col_qkv": OUT, "pair": IN, "row": IN, "lora_col": OUT, "lora_row": OUT, "split_col": OUT}
 
 
 def apply(layers, xs):
     out = {}
     for name, layer in layers.items():
         x = xs[INPUT_OF[name]]
-        out[name] = layer[1](layer[0](x)) if isinstance(layer, tuple) else layer(x)
+        if name == "split_col":  # the pieces side by side are the layer's output
+            out[name] = jnp.concatenate(layer.split(x), axis=-1)
+        else:
+            out[name] = layer[1](layer[0](x)) if isinstance(layer, tuple) else layer(x)
     return out
 
 

@@ -53,6 +53,11 @@ def matmul_t(x: Array, w: Array) -> Array:
     return jnp.tensordot(x, w, axes=((x.ndim - 1,), (1,)))
 
 
+def _pieces(a: Array, parts: int) -> list[Array]:
+    """`a` split into `parts` equal pieces along its first dimension (itself for one)."""
+    return jnp.split(a, parts) if parts > 1 else [a]
+
+
 def add_bias(y: Array, bias: Array) -> Array:
     """`y + bias` over the last dimension, broadcasting explicitly (rank promotion may raise)."""
     return y + jnp.broadcast_to(bias, y.shape)
@@ -262,6 +267,41 @@ class ColumnParallelLinear(eqx.Module):
         `[..., out_features]` with `gather_output`, else this device's
         `[..., out_features/n]` (with `sequence_parallel`: for all tokens).
         """
+        (y,) = self._products(x, 1)
+        if self.gather_output and is_bound(self.axis_name):
+            # f32[..., out/n] -> f32[..., out], replicated over the axis
+            y = gather_strided(y, self.axis_name, self.stride)
+        return y
+
+    def split(self, x: Float[Array, "... in_features"]) -> tuple[Array, ...]:
+        """The layer's output as its `stride` pieces, one product each.
+
+        `(q, k, v)` of a fused QKV projection (`stride=3`), `(gate, up)` of a SwiGLU's
+        (`stride=2`): each `[..., out/(stride n)]` (with `gather_output`, replicated
+        `[..., out/stride]`), equal to splitting `layer(x)` into `stride` pieces. One
+        product against each piece's rows of the weight, not one product split: the
+        split's transpose would concatenate the pieces' gradients into one
+        `[..., tokens, out/n]` buffer before the input's gradient product (4.7 % of the
+        124 M GPT's step on an H200, `benchmarks/RESULTS.md`); here the input's gradient
+        sums `stride` products, and only the weight's gradient is concatenated.
+
+        **Arguments:**
+
+        - `x`: as for `__call__`.
+
+        **Returns:**
+
+        A tuple of `stride` arrays.
+        """
+        ys = self._products(x, self.stride)
+        if self.gather_output and is_bound(self.axis_name):
+            # f32[..., out/(s n)] -> f32[..., out/s] each, replicated over the axis
+            ys = [gather_strided(y, self.axis_name, 1) for y in ys]
+        return tuple(ys)
+
+    def _products(self, x: Array, parts: int) -> list[Array]:
+        """The checks, the input brought into the region, and `parts` products against
+        this device's weight rows in `parts` pieces (LoRA and bias included)."""
         bound = is_bound(self.axis_name)
         n = axis_size(self.axis_name)
         check_partition("ColumnParallelLinear", "out_features", self.out_features, self.stride, self.axis_name, n)
@@ -274,20 +314,20 @@ class ColumnParallelLinear(eqx.Module):
         elif bound:
             # Enter the model-parallel region: the gradient of x is summed over the axis.
             x = mp_copy(x, axis_name=self.axis_name)
-        # f32[out/n, in]: this device's rows, the stride pieces concatenated.
-        w = jnp.reshape(value_of(self.weight), (-1, self.in_features))
-        # f32[..., in] @ f32[in, out/n] -> f32[..., out/n]
-        y = matmul_t(x, w)
+        # f32[out/n, in]: this device's rows, the stride pieces concatenated; in `parts`.
+        w = _pieces(jnp.reshape(value_of(self.weight), (-1, self.in_features)), parts)
+        # f32[..., in] @ f32[in, out/(parts n)] -> f32[..., out/(parts n)] each
+        ys = [matmul_t(x, piece) for piece in w]
         if self.lora_a is not None and self.lora_b is not None:
-            b = jnp.reshape(value_of(self.lora_b), (-1, value_of(self.lora_b).shape[-1]))
-            # (f32[..., in] @ f32[in, r]) @ f32[r, out/n] -> f32[..., out/n]
-            y = y + self.lora_scale * matmul_t(matmul_t(x, value_of(self.lora_a)), b)
+            # f32[..., in] @ f32[in, r]
+            xa = matmul_t(x, value_of(self.lora_a))
+            b = _pieces(jnp.reshape(value_of(self.lora_b), (-1, value_of(self.lora_b).shape[-1])), parts)
+            # f32[..., r] @ f32[r, out/(parts n)] each
+            ys = [y + self.lora_scale * matmul_t(xa, piece) for y, piece in zip(ys, b)]
         if self.bias is not None:
-            y = add_bias(y, jnp.reshape(value_of(self.bias), (-1,)))
-        if self.gather_output and bound:
-            # f32[..., out/n] -> f32[..., out], replicated over the axis
-            y = gather_strided(y, self.axis_name, self.stride)
-        return y
+            bias = _pieces(jnp.reshape(value_of(self.bias), (-1,)), parts)
+            ys = [add_bias(y, piece) for y, piece in zip(ys, bias)]
+        return ys
 
 
 class RowParallelLinear(eqx.Module):

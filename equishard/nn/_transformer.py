@@ -22,6 +22,7 @@ block on its global parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -103,17 +104,54 @@ class RMSNorm(eqx.Module):
 
         The normalised `[..., dim]`, in `x`'s dtype.
         """
-        compute = jnp.promote_types(x.dtype, jnp.float32)
-        h = x.astype(compute)
-        inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        h = h * inv
+        weight = None
         if self.weight is not None:
-            # Vary the weight like `h` before broadcasting it, so that the gradient's sum
-            # over the axes `h` varies over is one all-reduce of `f32[dim]` (not of the
-            # broadcast `f32[..., dim]`, as JAX's automatic cast after the broadcast gives).
-            weight = cast_varying(value_of(self.weight).astype(compute), varying_axes(h))
-            h = h * jnp.broadcast_to(weight, h.shape)
-        return h.astype(x.dtype)
+            # Vary the weight like `x` before it meets `x`, so that its gradient's sum over
+            # the axes `x` varies over is one all-reduce of `f32[dim]` (not of the
+            # broadcast `f32[..., dim]`, as JAX's automatic cast after a broadcast gives),
+            # in float32 (the cast before it) whatever the compute dtype.
+            compute = jnp.promote_types(x.dtype, jnp.float32)
+            weight = cast_varying(value_of(self.weight).astype(compute), varying_axes(x))
+        return _rms_norm(x, weight, self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
+    """`x / sqrt(mean(x**2) + eps) * weight` over the last dimension, in float32 at least,
+    returned in `x`'s dtype.
+
+    Its own backward pass, so that what it saves is `x` (already the residual stream's)
+    and the inverse RMS `f32[..., 1]`: autodiff would keep a float32 copy of `x`, the
+    normalised values and the weight broadcast to every token beside it (measured in
+    `benchmarks/RESULTS.md`, "What each layer saves")."""
+    return _rms_norm_fwd(x, weight, eps)[0]
+
+
+def _rms_norm_fwd(x: Array, weight: Array | None, eps: float) -> tuple[Array, Any]:
+    # bf16[..., D] -> f32[..., D]; the statistics f32[..., 1]
+    h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    inv = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    h = h * inv
+    if weight is not None:
+        h = h * jnp.broadcast_to(weight.astype(h.dtype), h.shape)
+    return h.astype(x.dtype), (x, inv, weight)
+
+
+def _rms_norm_bwd(eps: float, residuals: Any, dy: Array) -> tuple[Array, Array | None]:
+    x, inv, weight = residuals
+    h = x.astype(inv.dtype) * inv  # f32[..., D], the normalised values made again
+    g = dy.astype(h.dtype)
+    dweight = None
+    if weight is not None:
+        # f32[..., D] -> f32[D]: summed over every token this device holds.
+        dweight = jnp.sum(g * h, axis=tuple(range(h.ndim - 1))).astype(weight.dtype)
+        g = g * jnp.broadcast_to(weight.astype(h.dtype), g.shape)
+    # d/dx of (x * inv(x)) against g: inv * (g - h * mean(g * h)).
+    dx = inv * (g - h * jnp.mean(g * h, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dweight
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rotary_embedding(
@@ -472,10 +510,10 @@ class ParallelAttention(eqx.Module):
         heads = self.n_heads // n
         head_dim = self.d_model // self.n_heads
         if self.qkv is not None:
-            # f32[..., T(/n), D] -> f32[..., T, 3 D/n], ordered (q|k|v, local head, head_dim)
-            qkv = checkpoint_name(self.qkv(x), QKV_PROJ)
-            qkv = qkv.reshape(*qkv.shape[:-1], 3, heads, head_dim)
-            return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+            # f32[..., T(/n), D] -> q, k, v f32[..., T, D/n] -> f32[..., T, H/n, hd]: one
+            # product each (`split`: no concatenation of their gradients).
+            q, k, v = (checkpoint_name(y, QKV_PROJ).reshape(*y.shape[:-1], heads, head_dim) for y in self.qkv.split(x))
+            return q, k, v
         assert self.q is not None and self.kv is not None
         if is_bound(self.axis_name):
             # One gather (or copy) of the input for both projections: its gradient is
@@ -616,18 +654,16 @@ class ParallelMLP(eqx.Module):
 
         `[..., T(/n), d_model]`, laid out like `x`.
         """
-        # f32[..., T(/n), D] -> f32[..., T, F/n] (or 2 F/n with swiglu)
-        h = checkpoint_name(self.up(x), MLP_IN)
         if self.swiglu:
-            # f32[..., T, 2 F/n] -> gate, up f32[..., T, F/n] (the stride-2 columns: this
-            # device's gate block, then its up block). A split, not two slices: its
-            # transpose concatenates the two gradients into one buffer, where two slices'
-            # pads would hold three.
-            gate, up = jnp.split(h, 2, axis=-1)
+            # f32[..., T(/n), D] -> gate, up f32[..., T, F/n]: one product each against
+            # this device's gate block and up block of the stride-2 weight (`split`: no
+            # concatenation of their gradients in the backward pass).
+            gate, up = (checkpoint_name(h, MLP_IN) for h in self.up.split(x))
             # silu(gate) as `jax.nn.silu` computes it, unstaged (that one is a nested jit).
             h = gate * jax.lax.logistic(gate) * up
         else:
-            h = self.activation(h)
+            # f32[..., T(/n), D] -> f32[..., T, F/n]
+            h = self.activation(checkpoint_name(self.up(x), MLP_IN))
         # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]
         return checkpoint_name(self.down(h), MLP_OUT)
 
