@@ -79,6 +79,22 @@ def test_the_gpu_benchmark_runs_its_path_on_the_cpu(capsys):
     assert table.count("\n") == 3 and "not measured" in table
 
 
+def test_the_gpu_benchmark_names_a_kernel_by_its_compiled_instruction():
+    """A profile's kernel (`concatenate_1`) is found as its HLO instruction
+    (`concatenate.1`): its shape and the JAX operation it came from."""
+
+    def f(x, w):
+        gate, up = jnp.split(x @ w, 2, axis=-1)
+        return jnp.sum(gate * up)
+
+    hlo = jax.jit(jax.grad(f)).lower(jnp.ones((8, 4)), jnp.ones((4, 16))).compile().as_text()
+    instruction = re.search(r"%(\w*concatenate[\w.]*) = ", hlo)
+    assert instruction, hlo
+    kernel = instruction.group(1).replace(".", "_")
+    [(name, source)] = _bench_gpu().kernel_sources(hlo, [kernel, "no_such_kernel"]).items()
+    assert name == kernel and source.startswith("f32[8,16]") and "transpose" in source, source
+
+
 @pytest.mark.parametrize("patch", ["one_product", "rmsnorm_autodiff"])
 def test_the_gpu_benchmarks_patches_change_no_value(patch, monkeypatch):
     """A variant that patches the layers (the library's previous ways) computes the same
