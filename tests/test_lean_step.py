@@ -88,6 +88,7 @@ def test_the_gpu_benchmark_names_a_kernel_by_its_compiled_instruction():
         return jnp.sum(gate * up)
 
     hlo = jax.jit(jax.grad(f)).lower(jnp.ones((8, 4)), jnp.ones((4, 16))).compile().as_text()
+    assert hlo is not None
     instruction = re.search(r"%(\w*concatenate[\w.]*) = ", hlo)
     assert instruction, hlo
     kernel = instruction.group(1).replace(".", "_")
