@@ -131,7 +131,7 @@ VARIANTS: dict[str, Variant] = {
 
 
 def combine(names: list[str]) -> Variant:
-    """One variant doing all of `names` (their config fields merged, flags joined)."""
+    """One variant doing all of `names` (their config fields merged, flags and patches joined)."""
     gpt: dict[str, Any] = {}
     flags, patches = [], []
     for name in names:
@@ -437,24 +437,20 @@ def kernel_sources(hlo: str, kernels: list[str]) -> dict[str, str]:
     names a fusion's kernel after it): its shape and the JAX operation it came from (the
     `op_name` of the fused computation's root), e.g. which split's transpose a
     concatenation is."""
+    from equishard.report._hlo import _parse_module
+
+    module = _parse_module(hlo)
+    by_name = {i.name: i for instructions in module.computations.values() for i in instructions}
     out = {}
     for kernel in kernels:
         # A kernel `loop_add_fusion_9` is the instruction `loop_add_fusion.9`.
-        names = {kernel, re.sub(r"_(\d+)$", r".\1", kernel)}
-        starts = tuple(f"{p}{n} = " for n in names for p in ("%", "", "ROOT %", "ROOT "))
-        line = next((l for l in hlo.splitlines() if l.lstrip().startswith(starts)), "")
-        if not line:
+        instr = by_name.get(kernel) or by_name.get(re.sub(r"_(\d+)$", r".\1", kernel))
+        if instr is None:
             continue
-        shape = line.split(" = ", 1)[1].split(" ", 1)[0]
-        source = line
-        if "calls=" in line:
-            called = line.split("calls=", 1)[1].split(",", 1)[0].split(" ", 1)[0].lstrip("%")
-            body = hlo.split(f"%{called} ", 1)[-1].split("\n}", 1)[0]
-            source = next((l for l in body.splitlines() if "ROOT" in l), line)
-        meta = {k: source.split(f'{k}="', 1)[1].split('"', 1)[0] for k in ("op_name", "source_file") if f'{k}="' in source}
-        line_no = source.split("source_line=", 1)[1].split(" ", 1)[0].rstrip("}") if "source_line=" in source else ""
-        where = f"{os.path.basename(meta.get('source_file', ''))}:{line_no}" if line_no else ""
-        out[kernel] = f"{shape} {meta.get('op_name', '')} {where}"[:300]
+        # A fusion's metadata is its root's: the last instruction of the computation it calls.
+        fused = [module.computations[c] for attr, c in instr.callees if attr == "calls" and module.computations.get(c)]
+        op = re.search(r'op_name="([^"]*)"', (fused[0][-1] if fused else instr).attrs)
+        out[kernel] = f"{instr.shape} {op.group(1) if op else ''}"[:300]
     return out
 
 
