@@ -218,7 +218,7 @@ def _equishard_step(make_model: Any, loss: Any, device: Any) -> tuple[Any, Any, 
     import jax
 
     from equishard.sharding import Layout
-    from equishard.train import init_train_state, make_train_step
+    from equishard.train import MixedPrecision, init_train_state, make_train_step
 
     layout = Layout("dp=1")
     mesh = layout.mesh([device])
@@ -226,7 +226,7 @@ def _equishard_step(make_model: Any, loss: Any, device: Any) -> tuple[Any, Any, 
     state = init_train_state(make_model, opt, jax.random.key(0), mesh=mesh)
     step = make_train_step(
         loss, opt, mesh=mesh, batch_spec=layout.batch_spec(1), clip_norm=1.0, donate=True,
-        compute_dtype=jax.numpy.bfloat16,
+        precision=MixedPrecision(jax.numpy.bfloat16),
     )
     arrays, static = eqx.partition(state, eqx.is_array)
 

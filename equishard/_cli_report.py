@@ -73,7 +73,7 @@ def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, 
     """Compile the reference GPT's step for the options (`layout`: resolved already, or
     `None`) and report on it: `(report, facts, layout)`."""
     from ._app import TrainConfig, make_optimizer
-    from .models import gpt_report, preset
+    from .models import gpt_report, precision_policy, preset
 
     # An unknown preset fails before JAX starts.
     config = dataclasses.replace(
@@ -86,11 +86,8 @@ def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, 
     report, facts = gpt_report(
         config, layout, batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=make_optimizer(train), clip_norm=train.clip_norm, devices=devices,
-        name=args.model, optimizer_name="AdamW", dtype=_DTYPES[args.dtype],
-        param_dtype=_DTYPES[args.param_dtype],
-        # float32 parameters: the step casts them, as `train --dtype` (whose parameters
-        # are float32); others are cast by the loss, as before `--param-dtype` existed.
-        mixed_precision=args.param_dtype == "float32",
+        name=args.model, optimizer_name="AdamW", param_dtype=_DTYPES[args.param_dtype],
+        precision=precision_policy(_DTYPES[args.dtype], _DTYPES[args.param_dtype]),
     )  # fmt: skip
     return report, facts, layout
 

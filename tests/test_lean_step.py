@@ -23,7 +23,7 @@ from equishard._cli import main
 from equishard.models import GPT, GPTConfig, abstract_train_step, cast_floating
 from equishard.models._gpt import to_single_device
 from equishard.sharding import Layout, Parallelism
-from equishard.train import init_train_state, make_train_step
+from equishard.train import MixedPrecision, init_train_state, make_train_step
 
 from .helpers import assert_tree_allclose
 
@@ -160,7 +160,7 @@ def test_compute_dtype_equals_the_cast_written_into_the_loss_on_one_device():
     batch = jax.numpy.asarray(np.random.default_rng(0).integers(0, MP.vocab_size, (8, 17), dtype=np.int32))
     cast = lambda model, batch, key: cast_floating(model, jnp.bfloat16).loss(batch, key)  # noqa: E731
     results = []
-    for options in ({"loss_fn": cast}, {"compute_dtype": jnp.bfloat16}):
+    for options in ({"loss_fn": cast}, {"precision": MixedPrecision(jnp.bfloat16)}):
         state, step = _gpt_step("dp=1", **options)
         for _ in range(2):
             state, metrics = step(state, batch)
@@ -175,9 +175,9 @@ def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_float32():
     shards gathered in bf16, every gradient reduced in f32 by default and in bf16 when
     asked; the master weights and moments stay f32."""
     batch = jax.ShapeDtypeStruct((16, 33), jnp.int32)
-    state, step = _gpt_step("dp=4,fsdp=2", compute_dtype=jnp.bfloat16)
+    state, step = _gpt_step("dp=4,fsdp=2", precision=MixedPrecision(jnp.bfloat16))
     default = _collective_dtypes(step.lower(state, batch).as_text())
-    state, step = _gpt_step("dp=4,fsdp=2", compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+    state, step = _gpt_step("dp=4,fsdp=2", precision=MixedPrecision(jnp.bfloat16, reduce_dtype=jnp.bfloat16))
     reduced = _collective_dtypes(step.lower(state, batch).as_text())
     gathers = {k: n for k, n in default.items() if k[0] == "all_gather" and k[1] != "i32"}
     assert gathers and set(gathers) == {("all_gather", "bf16")}
@@ -197,11 +197,11 @@ def test_inspect_and_plan_lower_the_step_train_runs_in_bfloat16(monkeypatch):
     """`equishard inspect/plan --dtype bfloat16` report on the program `train --dtype
     bfloat16` runs: the step casts (gathers in bf16, reductions in f32), not the loss."""
     batch = jax.ShapeDtypeStruct((16, 33), jnp.int32)
-    state, step = _gpt_step("dp=4,fsdp=2", compute_dtype=jnp.bfloat16)
+    state, step = _gpt_step("dp=4,fsdp=2", precision=MixedPrecision(jnp.bfloat16))
     trained = _collective_dtypes(step.lower(state, batch).as_text())
     abstract = abstract_train_step(
         MP, Layout("dp=4,fsdp=2"), batch_size=16, seq_len=32, optimizer=optax.adamw(3e-3),
-        dtype=jnp.bfloat16, mixed_precision=True,
+        precision=MixedPrecision(jnp.bfloat16),
     )  # fmt: skip
     assert _collective_dtypes(abstract.lowered.as_text()) == trained
     asked = {}
@@ -213,7 +213,7 @@ def test_inspect_and_plan_lower_the_step_train_runs_in_bfloat16(monkeypatch):
     monkeypatch.setattr(equishard.models, "gpt_report", gpt_report)
     with pytest.raises(_Reported):
         main(["inspect", "--dtype", "bfloat16"])
-    assert asked["mixed_precision"] is True and jnp.dtype(asked["dtype"]) == jnp.bfloat16
+    assert asked["precision"] == MixedPrecision(jnp.bfloat16)
 
 
 def test_mixed_precision_on_a_layout_follows_one_device():
@@ -222,7 +222,7 @@ def test_mixed_precision_on_a_layout_follows_one_device():
     batch = jax.numpy.asarray(np.random.default_rng(1).integers(0, MP.vocab_size, (8, 17), dtype=np.int32))
     curves = []
     for spec in ("dp=1", "fsdp=4,tp=2"):
-        state, step = _gpt_step(spec, compute_dtype=jnp.bfloat16)
+        state, step = _gpt_step(spec, precision=MixedPrecision(jnp.bfloat16))
         losses = []
         for _ in range(3):
             state, metrics = step(state, batch)
@@ -236,9 +236,10 @@ def test_mixed_precision_on_a_layout_follows_one_device():
     [
         ({"compute_dtype": jnp.int32}, "compute_dtype must be a floating dtype"),
         ({"compute_dtype": "bfloat17"}, "compute_dtype must be a floating dtype"),
-        ({"reduce_dtype": jnp.float32}, "set compute_dtype too"),
+        ({"compute_dtype": None}, "FULL_PRECISION"),
+        ({"compute_dtype": jnp.bfloat16, "reduce_dtype": jnp.int8}, "reduce_dtype must be a floating dtype"),
     ],
 )
 def test_a_bad_precision_option_is_refused(options, match):
     with pytest.raises(LayerConfigError, match=match):
-        _gpt_step("dp=1", **options)
+        MixedPrecision(**options)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.train import (
     Checkpointer,
+    MixedPrecision,
     export_model,
     import_model,
     init_train_state,
@@ -239,7 +240,7 @@ def test_mixed_precision_casts_the_model_and_keeps_the_state_float32():
         return inner(model, state, (x.astype(jnp.bfloat16), y), key)
 
     step = make_train_step(
-        loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(data_axes(mesh)), compute_dtype=jnp.bfloat16,
+        loss_fn, OPTIMIZER, mesh=mesh, batch_spec=P(data_axes(mesh)), precision=MixedPrecision(jnp.bfloat16),
         donate=False,
     )  # fmt: skip
     state = _init("dp=4,fsdp=2")

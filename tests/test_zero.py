@@ -21,7 +21,7 @@ from equishard.models import GPT, GPTConfig
 from equishard.models._gpt import canonical_path
 from equishard.report import collective_bytes, memory_stats, read_collectives
 from equishard.sharding import Layout, param_table, specs_of, zero_split
-from equishard.train import Checkpointer, TrainState, init_train_state, make_train_step
+from equishard.train import Checkpointer, TrainState, ZeRO1, init_train_state, make_train_step
 
 from .helpers import assert_tree_allclose
 
@@ -42,8 +42,13 @@ def _state(layout: Layout, optimizer=ADAMW) -> TrainState:
     par = layout.parallelism()
     return init_train_state(
         lambda k: GPT(CONFIG, par, key=k), optimizer, jax.random.key(0), mesh=layout.mesh(),
-        zero=layout.zero_axes(),
+        opt_sharding=_zero1(layout),
     )  # fmt: skip
+
+
+def _zero1(layout: Layout) -> ZeRO1 | None:
+    axes = layout.zero_axes()
+    return ZeRO1(axes) if axes else None
 
 
 @functools.cache
@@ -53,7 +58,7 @@ def setup(spec: str, zero: bool, grad_accum: int = 1):
     state = _state(layout)
     step = make_train_step(
         _loss, ADAMW, mesh=layout.mesh(), batch_spec=layout.batch_spec(), clip_norm=1.0,
-        donate=False, grad_accum=grad_accum, zero=layout.zero_axes(),
+        donate=False, grad_accum=grad_accum, opt_sharding=_zero1(layout),
     )  # fmt: skip
     return layout, state, step.compile(state, _data(0)), step
 
@@ -199,12 +204,12 @@ def test_zero_errors():
     with pytest.raises(MeshError, match="--zero"):
         Layout("fsdp=8", zero=True).parallelism()
     mesh = es.make_mesh("dp=8")
-    with pytest.raises(LayerConfigError, match="zero='pp'"):
-        make_train_step(_loss, ADAMW, mesh=mesh, batch_spec=P("dp"), zero="pp")
+    with pytest.raises(LayerConfigError, match="'pp'"):
+        make_train_step(_loss, ADAMW, mesh=mesh, batch_spec=P("dp"), opt_sharding=ZeRO1("pp"))
     # A state built without ZeRO given to a ZeRO step: named before XLA sees it.
     _, plain_state, _, _ = setup("dp=8", False)
     _, _, _, zero_step = setup("dp=8", True)
-    with pytest.raises(LayerConfigError, match="init_train_state"):
+    with pytest.raises(LayerConfigError, match="init_state"):
         zero_step.lower(plain_state, _data(0))
     # And a ZeRO state given to a plain step.
     _, zero_state, _, _ = setup("dp=8", True)
@@ -241,10 +246,11 @@ def test_zero_plain_equinox_model_in_both_views():
 
     def run(zero, view):
         state = init_train_state(
-            lambda k: eqx.nn.MLP(64, 8, 128, 2, key=k), ADAMW, jax.random.key(0), mesh=mesh, zero=zero
+            lambda k: eqx.nn.MLP(64, 8, 128, 2, key=k), ADAMW, jax.random.key(0), mesh=mesh,
+            opt_sharding=zero,
         )
         loss = local_loss if view == "local" else global_loss
-        step = make_train_step(loss, ADAMW, mesh=mesh, batch_spec=P("dp"), zero=zero, view=view, grad_accum=2)
+        step = make_train_step(loss, ADAMW, mesh=mesh, batch_spec=P("dp"), opt_sharding=zero, view=view, grad_accum=2)
         out = []
         for _ in range(3):
             state, metrics = step(state, (x, y))
@@ -253,7 +259,7 @@ def test_zero_plain_equinox_model_in_both_views():
 
     plain, _ = run(None, "local")
     for view in ("local", "global"):
-        zero, state = run("dp", view)
+        zero, state = run(ZeRO1("dp"), view)
         _close(zero, plain)
         assert isinstance(state.model.layers[1].weight, jax.Array)  # still a plain array
         assert state.opt_state[0].mu.layers[1].weight.spec == P("dp", None)

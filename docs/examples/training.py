@@ -21,9 +21,10 @@ from equishard._app import get_batch, load_stdlib_corpus  # the `equishard train
 from equishard.models import GPT, PRESETS, count_parameters
 from equishard.train import (
     Checkpointer,
+    Mirror,
+    ZeRO1,
     export_model,
     import_model,
-    init_train_state,
     make_train_step,
 )
 
@@ -51,18 +52,19 @@ def setup(spec, zero=False):
     def make_model(key):
         return GPT(config, parallelism, key=key)
 
-    def init():  # born sharded; the same parameters on every layout
-        return init_train_state(
-            make_model, optimizer, jax.random.key(0), mesh=mesh, zero=layout.zero_axes()
-        )
-
     def loss_fn(model, batch, key):  # local view; returns the *global* loss
         return model.loss(batch, key)
 
+    # The optimizer state's layout is one of the step's parts, a value: Mirror() (the
+    # default) or ZeRO1("dp"), the state split over dp (below).
     step = make_train_step(
         loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), clip_norm=1.0,
-        zero=layout.zero_axes(),  # None, or "dp" with Layout(..., zero=True)
+        opt_sharding=ZeRO1(layout.zero_axes()) if zero else Mirror(),
     )
+
+    def init():  # born sharded in the step's layout; the same parameters on every layout
+        return step.init_state(make_model, jax.random.key(0))
+
     return mesh, init, step
 
 

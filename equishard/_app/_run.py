@@ -41,6 +41,7 @@ from ..models import (
     gpt_flops_per_token,
     gpt_matmul_parameters,
     gpt_training,
+    precision_policy,
     token_batch,
 )
 from ..models._internal import canonical_path, to_single_device
@@ -266,8 +267,8 @@ class Run:
         # gathering in the compute dtype and reducing gradients in float32).
         self.training = gpt_training(
             self.model_config, self.layout, self.mesh, self.optimizer,
-            grad_accum=config.grad_accum, clip_norm=config.clip_norm, dtype=DTYPES[config.dtype],
-            mixed_precision=True,
+            grad_accum=config.grad_accum, clip_norm=config.clip_norm,
+            precision=precision_policy(DTYPES[config.dtype]),
         )  # fmt: skip
         self.loss_fn = loss_fn = self.training.loss_fn
         self.train_step = self.training.step

@@ -27,5 +27,6 @@ from ._training import (
     abstract_train_step as abstract_train_step,
     check_gpt_layout as check_gpt_layout,
     gpt_training as gpt_training,
+    precision_policy as precision_policy,
     preset as preset,
 )

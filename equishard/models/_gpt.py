@@ -30,6 +30,7 @@ from ..core import from_last_stage, gather_tokens, zigzag_indices
 from ..nn import (
     FSDP,
     ColumnParallelLinear,
+    GathersFSDP,
     MoE,
     ParallelEmbedding,
     PipelineModule,
@@ -338,7 +339,7 @@ def _check(config: GPTConfig, par: Parallelism) -> None:
             )
 
 
-class GPT(eqx.Module):
+class GPT(eqx.Module, GathersFSDP):
     """The reference decoder-only transformer (local view; see the module documentation).
 
     **Arguments:**
@@ -355,6 +356,8 @@ class GPT(eqx.Module):
     head: ColumnParallelLinear | None
     config: GPTConfig = eqx.field(static=True)
     parallelism: Parallelism = eqx.field(static=True)
+    gather_dtype: Any = eqx.field(static=True)
+    grad_scatter_dtype: Any = eqx.field(static=True)
 
     after_pipeline: ClassVar[tuple[str, ...]] = ("norm", "head")
     """The fields run after the blocks: with a pipeline axis they are replicated over the
@@ -410,6 +413,9 @@ class GPT(eqx.Module):
         self.head = restrict_specs(head, axes)
         self.config = config
         self.parallelism = par
+        # The dtypes the embedding, norm and head are gathered in under fsdp (`None`:
+        # their own), set by the train step's precision policy (`with_fsdp_dtypes`).
+        self.gather_dtype = self.grad_scatter_dtype = None
 
     def hidden(
         self, ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"] | None = None
@@ -515,7 +521,7 @@ class GPT(eqx.Module):
         boxes = jax.tree.leaves(module, is_leaf=is_sharded)
         if not any(is_sharded(b) and fsdp in spec_axes(b.spec) for b in boxes):
             return module
-        return fsdp_gather_params(_after(module, anchor), fsdp)
+        return fsdp_gather_params(_after(module, anchor), fsdp, self.gather_dtype, self.grad_scatter_dtype)
 
     def _tie_varying(self, ids: Array) -> "GPT":
         """This model with the tied table cast to vary like the batch, once for both uses.

@@ -15,6 +15,7 @@ from .._names import differentiated_scan
 from ..core import pipeline_schedule, schedule_weights
 from ..report import StepReport, report, state_bytes
 from ..sharding import Layout, ResolvedLayout, param_table
+from ..train import Precision
 from ._gpt import GPTConfig
 from ._memory import gpt_memory
 from ._minimum import gpt_minimum
@@ -34,9 +35,8 @@ def gpt_report(
     devices: list | None = None,
     name: str | None = None,
     optimizer_name: str | None = None,
-    dtype: Any = jnp.float32,
+    precision: Precision | None = None,
     param_dtype: Any = jnp.float32,
-    mixed_precision: bool = False,
 ) -> tuple[StepReport, dict[str, float]]:
     """Compile the reference GPT's train step for `layout` and report on it.
 
@@ -50,9 +50,9 @@ def gpt_report(
     - `devices`: the devices of the mesh (default: all of JAX's devices).
     - `name`, `optimizer_name`: the model's and the optimizer's names for the
       description line.
-    - `dtype`, `param_dtype`, `mixed_precision`: the compute and parameter dtypes, and
-      whether the step or the loss casts to the compute dtype (see
-      `abstract_train_step`; `equishard inspect` and `plan` set it, as `train` does).
+    - `precision`, `param_dtype`: the step's precision policy and the parameters' dtype
+      (see `abstract_train_step`; `precision_policy` makes the policy `equishard train`,
+      `inspect` and `plan` use from their `--dtype`).
 
     **Returns:**
 
@@ -63,9 +63,9 @@ def gpt_report(
     """
     step = abstract_train_step(
         config, layout, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-        clip_norm=clip_norm, devices=devices, dtype=dtype, param_dtype=param_dtype,
-        mixed_precision=mixed_precision,
+        clip_norm=clip_norm, devices=devices, precision=precision, param_dtype=param_dtype,
     )  # fmt: skip
+    compute_dtype = param_dtype if precision is None or precision.compute_dtype is None else precision.compute_dtype
     start = time.perf_counter()
     compiled = step.lowered.compile()
     compile_seconds = time.perf_counter() - start
@@ -81,7 +81,7 @@ def gpt_report(
         + f", d_ff {config.d_ff}, vocabulary "
         f"{config.vocab_size}); layout {step.layout.spec} on {step.mesh.devices.size} "
         f"{step.mesh.devices.flat[0].platform.upper()} devices; batch {batch_size} x "
-        f"{seq_len} tokens; {jnp.dtype(dtype).name} compute, {jnp.dtype(param_dtype).name} "
+        f"{seq_len} tokens; {jnp.dtype(compute_dtype).name} compute, {jnp.dtype(param_dtype).name} "
         f"parameters"
     ) + (f"; {optimizer_name}" if optimizer_name else "")
     resolved = step.layout

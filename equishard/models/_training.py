@@ -1,8 +1,8 @@
 """The reference GPT's training under a layout, built once for every caller.
 
 `gpt_training` wires the GPT to `make_train_step` for a resolved layout: the model's
-constructor, the loss (the parameters cast to the compute dtype), the initial state
-(mesh-invariant, the optimizer state split under ZeRO) and the train step. `equishard
+constructor, the loss, the initial state (mesh-invariant, the optimizer state split under
+ZeRO) and the train step, whose precision policy decides every cast. `equishard
 train` runs it (the application's `Run`); `abstract_train_step` lowers the same step from
 shapes alone for a mesh of any size, nothing allocated or run, so a 2048-device mesh of
 a 70B-parameter model compiles on a laptop's simulated CPU devices; `gpt_report`
@@ -27,7 +27,14 @@ from .._errors import LayerConfigError, MeshError
 from ..report._internal import abstract_state, lower_from_shapes
 from ..sharding import Layout, ResolvedLayout
 from ..sharding._internal import resolve_layout
-from ..train import TrainState, TrainStep, init_train_state, make_train_step
+from ..train import (
+    MixedPrecision,
+    Precision,
+    TrainState,
+    TrainStep,
+    ZeRO1,
+    make_train_step,
+)
 from ._gpt import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
 
 __all__ = [
@@ -36,8 +43,25 @@ __all__ = [
     "abstract_train_step",
     "check_gpt_layout",
     "gpt_training",
+    "precision_policy",
     "preset",
 ]
+
+
+def precision_policy(dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> Precision | None:
+    """The train step's precision policy for a compute and a parameter dtype.
+
+    **Arguments:**
+
+    - `dtype`: the dtype the loss computes in.
+    - `param_dtype`: the dtype the parameters (and the optimizer's moments) are stored in.
+
+    **Returns:**
+
+    `MixedPrecision(dtype)` (FSDP gathering in `dtype`, gradients reduced in float32) when
+    the two differ, `None` (no cast) when they are the same.
+    """
+    return None if jnp.dtype(dtype) == jnp.dtype(param_dtype) else MixedPrecision(dtype)
 
 
 def preset(name: str) -> GPTConfig:
@@ -60,8 +84,9 @@ class GPTTraining:
 
     - `make_model`: `key -> GPT`, the model under the layout, its floating arrays in the
       parameter dtype.
-    - `loss_fn`: `(model, batch, key) -> (loss, metrics)`, the GPT's loss with the
-      parameters cast to the compute dtype (`key` `None`: no dropout, as in evaluation).
+    - `loss_fn`: `(model, batch, key) -> (loss, metrics)`, the GPT's loss in the local
+      view as the step computes it (its precision policy applied; `key` `None`: no
+      dropout, as in evaluation).
     - `init_state`: `key -> TrainState`, the initial state born sharded on the mesh
       (mesh-invariant; the optimizer state split under ZeRO).
     - `step`: the `TrainStep` (`state, batch -> state, metrics`).
@@ -81,9 +106,8 @@ def gpt_training(
     *,
     grad_accum: int = 1,
     clip_norm: float | None = None,
-    dtype: Any = jnp.float32,
+    precision: Precision | None = None,
     param_dtype: Any = jnp.float32,
-    mixed_precision: bool = False,
 ) -> GPTTraining:
     """Wire the reference GPT to `make_train_step` under a resolved layout.
 
@@ -96,13 +120,10 @@ def gpt_training(
     - `optimizer`: the optax optimizer.
     - `grad_accum`, `clip_norm`: `make_train_step`'s accumulation micro-steps and
       global-norm clipping threshold (`None`: no clipping).
-    - `dtype`: the compute dtype (how the parameters are cast to it: `mixed_precision`).
+    - `precision`: the step's precision policy (`None`: no cast; `precision_policy`
+      makes one from dtypes).
     - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
       in.
-    - `mixed_precision`: the step casts to `dtype` (`make_train_step(compute_dtype=dtype)`:
-      FSDP gathers in `dtype`, gradients reduced in float32) rather than the loss
-      function (gathers and reductions in `dtype`); `equishard train`, `inspect` and
-      `plan` set it.
 
     **Returns:**
 
@@ -113,27 +134,21 @@ def gpt_training(
     def make_model(key: PRNGKeyArray) -> GPT:
         return cast_floating(GPT(config, par, key=key), param_dtype)
 
+    def gpt_loss(model: GPT, batch: Any, key: Any) -> Any:
+        return model.loss(batch, key)
+
+    opt_sharding = ZeRO1(layout.zero, min_weight_size=par.fsdp_min_weight_size) if layout.zero else None
+    step = make_train_step(
+        gpt_loss, optimizer, mesh=mesh, batch_spec=layout.batch_spec, grad_accum=grad_accum,
+        clip_norm=clip_norm, opt_sharding=opt_sharding, precision=precision,
+    )  # fmt: skip
+
     def loss_fn(model: GPT, batch: Any, key: Any) -> Any:
-        return cast_floating(model, dtype).loss(batch, key)
+        return gpt_loss(step.precision.compute(model), batch, key)
 
     def init_state(key: PRNGKeyArray) -> TrainState:
-        return init_train_state(
-            make_model, optimizer, key, mesh=mesh, zero=layout.zero,
-            zero_min_weight_size=par.fsdp_min_weight_size,
-        )  # fmt: skip
+        return step.init_state(make_model, key)
 
-    by_step = mixed_precision and jnp.dtype(dtype) != jnp.dtype(param_dtype)
-    step = make_train_step(
-        (lambda model, batch, key: model.loss(batch, key)) if by_step else loss_fn,
-        optimizer,
-        mesh=mesh,
-        batch_spec=layout.batch_spec,
-        grad_accum=grad_accum,
-        clip_norm=clip_norm,
-        zero=layout.zero,
-        zero_min_weight_size=par.fsdp_min_weight_size,
-        compute_dtype=dtype if by_step else None,
-    )
     return GPTTraining(make_model, loss_fn, init_state, step)
 
 
@@ -211,9 +226,8 @@ def abstract_train_step(
     optimizer: optax.GradientTransformation,
     clip_norm: float | None = None,
     devices: list | None = None,
-    dtype: Any = jnp.float32,
+    precision: Precision | None = None,
     param_dtype: Any = jnp.float32,
-    mixed_precision: bool = False,
 ) -> AbstractStep:
     """Lower the real GPT train step for `layout` without creating any array.
 
@@ -228,13 +242,9 @@ def abstract_train_step(
     - `clip_norm`: the global-norm clipping threshold of `make_train_step` (`None`:
       no clipping).
     - `devices`: the devices of the mesh (default: all of JAX's devices).
-    - `dtype`: the compute dtype (how the parameters are cast to it: `mixed_precision`).
+    - `precision`: the step's precision policy (see `gpt_training`).
     - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
       in.
-    - `mixed_precision`: the step casts to `dtype` (`make_train_step(compute_dtype=dtype)`:
-      FSDP gathers in `dtype`, gradients reduced in float32) rather than the loss
-      function (gathers and reductions in `dtype`); `equishard train`, `inspect` and
-      `plan` set it.
 
     **Returns:**
 
@@ -250,8 +260,8 @@ def abstract_train_step(
     start = time.perf_counter()
     mesh = resolved.mesh(devices)
     training = gpt_training(
-        config, resolved, mesh, optimizer, clip_norm=clip_norm, dtype=dtype, param_dtype=param_dtype,
-        mixed_precision=mixed_precision,
+        config, resolved, mesh, optimizer, clip_norm=clip_norm, precision=precision,
+        param_dtype=param_dtype,
     )  # fmt: skip
     state = abstract_state(lambda: training.init_state(jax.random.key(0)), mesh)
     sharding = NamedSharding(mesh, resolved.batch_spec)

@@ -12,9 +12,10 @@ from ._fsdp import (
     shard_module_params as shard_module_params,
 )
 from ._fsdp_gather import (
-    fsdp_dtypes as fsdp_dtypes,
+    GathersFSDP as GathersFSDP,
     fsdp_gather_params as fsdp_gather_params,
     gather_params as gather_params,
+    with_fsdp_dtypes as with_fsdp_dtypes,
 )
 from ._initializers import (
     INIT_TYPES as INIT_TYPES,

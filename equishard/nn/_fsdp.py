@@ -44,12 +44,12 @@ from ..sharding import (
     shard_params,
 )
 from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, map_modules, spec_axes
-from ._fsdp_gather import _check_dtype, fsdp_gather_params, resolve_dtypes
+from ._fsdp_gather import GathersFSDP, _check_dtype, fsdp_gather_params
 from ._fsdp_regather import _call_regathering, _GatherConfig
 from ._remat import save_collectives_except
 
 
-class FSDP(eqx.Module):
+class FSDP(eqx.Module, GathersFSDP):
     """Wrap any Equinox module so that its parameters are fully sharded.
 
     ```python
@@ -65,8 +65,9 @@ class FSDP(eqx.Module):
       `fsdp_split_params`: global sizes, ties to the earlier dimension). A warning
       says when that leaves half of the module's parameter bytes or more replicated.
     - `gather_dtype`, `grad_scatter_dtype`: mixed precision of the gathers and of the
-      gradient reduce-scatters (see `fsdp_gather_params`); `None`: those of the
-      enclosing `fsdp_dtypes` (which `make_train_step(compute_dtype=...)` sets).
+      gradient reduce-scatters (see `fsdp_gather_params`); `None`: each array's dtype,
+      unless the train step's precision policy sets them
+      (`make_train_step(precision=MixedPrecision(...))`, through `with_fsdp_dtypes`).
     - `regather`: gather the parameters again in the backward pass instead of saving
       the gathered copies from the forward pass (the layer's forward is recomputed
       there too, as under `jax.checkpoint`, except its collectives over other axes —
@@ -119,8 +120,7 @@ class FSDP(eqx.Module):
         return self.module
 
     def _config(self) -> _GatherConfig:
-        dtypes = resolve_dtypes(self.gather_dtype, self.grad_scatter_dtype)
-        return _GatherConfig(self.axis_name, *dtypes, self.mean_grads)
+        return _GatherConfig(self.axis_name, self.gather_dtype, self.grad_scatter_dtype, self.mean_grads)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Gather the parameters, call the wrapped module with `args`, free them.

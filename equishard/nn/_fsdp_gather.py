@@ -5,9 +5,6 @@ local-loss convention).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -35,45 +32,51 @@ def _check_dtype(name: str, dtype: Any) -> None:
         raise LayerConfigError(f"{name} must be a floating dtype or None, got {dtype!r}.")
 
 
-_DTYPES: contextvars.ContextVar[tuple[Any, Any]] = contextvars.ContextVar(
-    "equishard_fsdp_dtypes", default=(None, None)
-)
+class GathersFSDP:
+    """A module that all-gathers FSDP shards in dtypes of its own: fields `gather_dtype`
+    and `grad_scatter_dtype` (static; `None`: each array's dtype), which a precision
+    policy fills through `with_fsdp_dtypes` where they are `None`. `FSDP` units and
+    the reference GPT (for its embedding, final norm and head) are such modules."""
 
 
-@contextlib.contextmanager
-def fsdp_dtypes(gather_dtype: Any = None, grad_scatter_dtype: Any = None) -> Iterator[None]:
-    """The FSDP gathers' dtypes for what is traced inside this context.
+def with_fsdp_dtypes(tree: PyTree, gather_dtype: Any = None, grad_scatter_dtype: Any = None) -> PyTree:
+    """`tree` with every FSDP gather's unset dtypes set: a mixed-precision policy.
 
-    A mixed-precision policy, as torch FSDP2's `MixedPrecisionPolicy(param_dtype,
-    reduce_dtype)`: every FSDP gather traced inside (`FSDP` units, `fsdp_gather_params`)
-    whose own `gather_dtype` or `grad_scatter_dtype` is `None` uses these — the float32
-    shards cast to `gather_dtype` before the all-gather (half the bytes in bfloat16),
-    their gradients reduce-scattered in `grad_scatter_dtype` and kept in the shards'
-    dtype. `make_train_step(compute_dtype=...)` traces its loss inside one (see the
-    training guide's "Mixed precision").
+    As torch FSDP2's `MixedPrecisionPolicy(param_dtype, reduce_dtype)`: every module of
+    `tree` that gathers FSDP shards (`FSDP` units, the reference GPT: `GathersFSDP`) and
+    whose own `gather_dtype` or `grad_scatter_dtype` is `None` is given these — the
+    float32 shards cast to `gather_dtype` before the all-gather (half the bytes in
+    bfloat16), their gradients reduce-scattered in `grad_scatter_dtype` and kept in the
+    shards' dtype. A unit's own dtypes take precedence. The train step's
+    `MixedPrecision` policy applies it (see the training guide's "Mixed precision").
 
     **Arguments:**
 
-    - `gather_dtype`: the dtype to gather in; `None` keeps each array's dtype.
-    - `grad_scatter_dtype`: the dtype of the gradients' reduce-scatter; `None` the
-      gathered dtype.
+    - `tree`: a model (or any pytree holding modules).
+    - `gather_dtype`: the dtype to gather in; `None` leaves the modules' own.
+    - `grad_scatter_dtype`: the dtype of the gradients' reduce-scatter; `None` leaves
+      the modules' own.
+
+    **Returns:**
+
+    `tree`, its gathering modules' fields filled (nothing else changes).
     """
     _check_dtype("gather_dtype", gather_dtype)
     _check_dtype("grad_scatter_dtype", grad_scatter_dtype)
-    token = _DTYPES.set((gather_dtype, grad_scatter_dtype))
-    try:
-        yield
-    finally:
-        _DTYPES.reset(token)
 
+    def fill(node: Any) -> Any:
+        if not isinstance(node, GathersFSDP):
+            return node
+        # The modules inside first (a unit inside a unit), then this one's own fields:
+        # `node` was rebuilt by the map, so setting its static fields changes no other.
+        node = jax.tree.map(fill, node, is_leaf=lambda x: x is not node and isinstance(x, GathersFSDP))
+        if node.gather_dtype is None and gather_dtype is not None:
+            object.__setattr__(node, "gather_dtype", gather_dtype)
+        if node.grad_scatter_dtype is None and grad_scatter_dtype is not None:
+            object.__setattr__(node, "grad_scatter_dtype", grad_scatter_dtype)
+        return node
 
-def resolve_dtypes(gather_dtype: Any, grad_scatter_dtype: Any) -> tuple[Any, Any]:
-    """A gather's own dtypes, each `None` filled from the enclosing `fsdp_dtypes`."""
-    default_gather, default_scatter = _DTYPES.get()
-    return (
-        default_gather if gather_dtype is None else gather_dtype,
-        default_scatter if grad_scatter_dtype is None else grad_scatter_dtype,
-    )
+    return jax.tree.map(fill, tree, is_leaf=lambda x: isinstance(x, GathersFSDP))
 
 
 def _split_entry(spec: P, axes: tuple[str, ...]) -> tuple[int, Any] | None:
@@ -109,9 +112,9 @@ def fsdp_gather_params(
       entry for some dimension ends with these axes (`"fsdp"` in `P(("tp", "fsdp"))`:
       the minor axes, whose blocks are contiguous); that entry keeps the others.
     - `gather_dtype`: the dtype to gather in (e.g. `jnp.bfloat16` for mixed precision);
-      `None`: the enclosing `fsdp_dtypes`' (none: each array's dtype).
+      `None`: each array's dtype.
     - `grad_scatter_dtype`: the dtype of the gradient reduce-scatter; `None`: the
-      enclosing `fsdp_dtypes`' (none: the gathered dtype).
+      gathered dtype.
     - `mean_grads`: `False` (default) for equishard's convention (the function
       differentiated returns the global loss; gradients are summed). `True` for the
       local-loss convention: `gather_array_with_mean_grads`, gradients averaged (with
@@ -128,7 +131,6 @@ def fsdp_gather_params(
     """
     _check_dtype("gather_dtype", gather_dtype)
     _check_dtype("grad_scatter_dtype", grad_scatter_dtype)
-    gather_dtype, grad_scatter_dtype = resolve_dtypes(gather_dtype, grad_scatter_dtype)
     gather = gather_array_with_mean_grads if mean_grads else gather_array
 
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

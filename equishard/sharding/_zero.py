@@ -77,8 +77,8 @@ def zero_split(
     `AutoSharded` if it gets split); arrays already split over a ZeRO axis, smaller than
     `min_weight_size` elements or divisible on no free dimension keep their specs.
     Outside `jit` and `shard_map` only specs change: place the result with `shard`.
-    Idempotent. `init_train_state(..., zero=...)` applies it to the optimizer state and
-    `make_train_step(..., zero=...)` to the parameters and gradients in the update (see
+    Idempotent. `init_train_state(..., opt_sharding=ZeRO1(...))` applies it to the
+    optimizer state and `make_train_step(..., opt_sharding=ZeRO1(...))` to the parameters and gradients in the update (see
     the training guide).
 
     **Arguments:**

@@ -9,6 +9,16 @@ import typing
 
 from ._export import export_model as export_model, import_model as import_model
 from ._gradients import global_norm as global_norm
+from ._opt_sharding import (
+    Mirror as Mirror,
+    OptStateSharding as OptStateSharding,
+    ZeRO1 as ZeRO1,
+)
+from ._precision import (
+    FULL_PRECISION as FULL_PRECISION,
+    MixedPrecision as MixedPrecision,
+    Precision as Precision,
+)
 from ._state import TrainState as TrainState, init_train_state as init_train_state
 from ._step import (
     CompiledTrainStep as CompiledTrainStep,

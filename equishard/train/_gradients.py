@@ -1,7 +1,7 @@
 """The train step's first phase: the gradients, in the local or the global view.
 
 - `value_and_grad`: one micro-batch's loss, metrics and gradients, through the loss
-  adapter and the precision hook.
+  adapter and the precision policy.
 - `accumulate`: the micro-steps in order, a model state carried through them, and the
   mean of their losses, metrics and gradients.
 - `local_gradients`: inside `shard_map`; the gradients of replicated parameters summed
@@ -68,8 +68,7 @@ def value_and_grad(
         return adapter(precision.compute(model), batch, key, index, model_state)
 
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
-    with precision.context():
-        (value, (metrics, model_state)), grads = grad_fn(model, batch, key, index)
+    (value, (metrics, model_state)), grads = grad_fn(model, batch, key, index)
     return model_state, (value, metrics, precision.gradients(grads))
 
 

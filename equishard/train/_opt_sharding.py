@@ -13,13 +13,16 @@ The train step asks an `OptStateSharding` these things, and nothing else about i
 - `restore(model, like)`: the updated parameters back in their own layout.
 
 `Mirror` (the state as its parameters) and `ZeRO1` (the state split over data axes) are
-the two layouts; a new layout is a new subclass.
+the two layouts; a new layout is a new subclass. A layout is a value the user passes
+(`make_train_step(..., opt_sharding=ZeRO1("dp"))`); the step binds it to its mesh
+(`bind`) and holds it, and `TrainStep.init_state` builds the state in it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
@@ -27,16 +30,26 @@ from jaxtyping import PyTree
 from .._axes import combined_axis_size
 from .._errors import LayerConfigError
 from ..sharding import is_sharded, shard, zero_split
-from ..sharding._internal import ZeroAxes, spec_axes, with_spec, zero_axes
+from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, ZeroAxes, spec_axes, with_spec, zero_axes
 
 
-class OptStateSharding:
+class OptStateSharding(eqx.Module):
     """The optimizer state's layout (the base class: the state mirrors its parameters)."""
 
-    axes: tuple[str, ...] = ()
-    reduces_gradients: bool = False
-    """Whether `reduce` has work even without accumulation (the gradients then leave each
-    micro-step unreduced, for it)."""
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The data axes the state is split over beyond its parameters' specs."""
+        return ()
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether `reduce` has work even without accumulation (the gradients then leave
+        each micro-step unreduced, for it)."""
+        return False
+
+    def bind(self, mesh: Mesh, what: str) -> "OptStateSharding":
+        """This layout on `mesh`, checked against it (`what` names the caller in errors)."""
+        return self
 
     def split(self, opt_state: PyTree) -> PyTree:
         """`opt_state` in this layout (only specs change outside `jit`)."""
@@ -81,12 +94,35 @@ class ZeRO1(OptStateSharding):
     updated parameters are all-gathered once.
     """
 
-    reduces_gradients = True
+    zero_axes: tuple[str, ...] = eqx.field(static=True)
+    min_weight_size: int = eqx.field(static=True)
+    mesh: Any = eqx.field(static=True)
 
-    def __init__(self, axes: tuple[str, ...], mesh: Mesh, min_weight_size: int):
-        self.axes = axes
-        self.mesh = mesh
+    def __init__(
+        self, axes: ZeroAxes, *, min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE, mesh: Mesh | None = None
+    ):
+        """**Arguments:**
+
+        - `axes`: the data axis or axes the state is split over (e.g. `"dp"`).
+        - `min_weight_size`: optimizer-state arrays of fewer elements stay as their
+          parameters are.
+        - `mesh`: the mesh (`None`: bound by the train step, `bind`).
+        """
+        self.zero_axes = (axes,) if isinstance(axes, str) else tuple(axes)
         self.min_weight_size = min_weight_size
+        self.mesh = mesh
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.zero_axes
+
+    @property
+    def reduces_gradients(self) -> bool:
+        return True
+
+    def bind(self, mesh: Mesh, what: str) -> "ZeRO1":
+        axes = zero_axes(self.zero_axes, mesh, what)
+        return ZeRO1(axes, min_weight_size=self.min_weight_size, mesh=mesh)
 
     def split(self, opt_state: PyTree) -> PyTree:
         return zero_split(opt_state, self.axes, mesh=self.mesh, min_weight_size=self.min_weight_size)
@@ -94,10 +130,10 @@ class ZeRO1(OptStateSharding):
     def check(self, opt_state: PyTree) -> None:
         if jax.tree.structure(self.split(opt_state)) != jax.tree.structure(opt_state):
             raise LayerConfigError(
-                f"make_train_step(zero={self.axes!r}): the optimizer state is not split over "
+                f"make_train_step(opt_sharding={self!r}): the optimizer state is not split over "
                 f"{self.axes!r} as the step updates it; build the state with "
-                f"init_train_state(..., zero={self.axes!r}) (the same zero_min_weight_size), "
-                f"or restore a checkpoint into such a state (see the training guide)."
+                f"step.init_state(...) (or init_train_state(..., opt_sharding=) of the same "
+                f"value), or restore a checkpoint into such a state (see the training guide)."
             )
 
     def view(self, tree: PyTree) -> PyTree:
@@ -139,12 +175,16 @@ class ZeRO1(OptStateSharding):
         return _with_specs_of(shard(model, self.mesh), like)
 
 
-def opt_state_sharding(
-    zero: ZeroAxes | None, mesh: Mesh, min_weight_size: int, what: str
-) -> OptStateSharding:
-    """The layout that `zero=` names: `ZeRO1` over its axes, or `Mirror` for `None`."""
-    axes = zero_axes(zero, mesh, what)
-    return ZeRO1(axes, mesh, min_weight_size) if axes else Mirror()
+def bind_opt_sharding(opt_sharding: Any, mesh: Mesh, what: str) -> OptStateSharding:
+    """`opt_sharding` (`None`: `Mirror()`) bound to `mesh`, refused by name if it is not one."""
+    if opt_sharding is None:
+        return Mirror()
+    if not isinstance(opt_sharding, OptStateSharding):
+        raise LayerConfigError(
+            f"{what}: opt_sharding must be an optimizer-state layout, equishard.train.Mirror() "
+            f"(the default) or equishard.train.ZeRO1(axes), got {opt_sharding!r}."
+        )
+    return opt_sharding.bind(mesh, what)
 
 
 def _with_specs_of(tree: PyTree, like: PyTree) -> PyTree:

@@ -1,8 +1,16 @@
-"""The precision hook of the train step, applied around the gradient computation."""
+"""The precision policy of the train step: one value that decides every cast.
+
+A policy is one of the step's parts (`make_train_step(..., precision=...)`), held by the
+`TrainStep` as a field, bound to the step's data axes (`bind`). The step differentiates
+`loss(policy.compute(model))` with respect to `model` and hands `policy.gradients(grads)` on; the gradients of
+parameters replicated over the data axes are summed in `policy.reduce_dtype`. FSDP's
+gathers learn their dtypes from the policy through their own fields
+(`equishard.nn.with_fsdp_dtypes`, applied in `compute`): nothing module-level steers a
+computation.
+"""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import equinox as eqx
@@ -11,31 +19,40 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._errors import LayerConfigError
-from ..nn import fsdp_dtypes
+from ..nn import with_fsdp_dtypes
 from ..sharding import is_sharded
 from ..sharding._internal import spec_axes
 
 
-class Precision:
-    """How the gradient computation sees the parameters, and how the gradients leave it.
+class Precision(eqx.Module):
+    """Full precision (the default policy): every array in its own dtype.
 
-    The step differentiates `loss(precision.compute(model))` with respect to `model`
-    inside `precision.context()`, and hands `precision.gradients(grads)` on; the
-    gradients of parameters replicated over the data axes are summed in
-    `precision.reduce_dtype` once, after the last micro-step (`None`: where autodiff
-    sums them, in their dtype there). This one is the identity: every array in its own
-    dtype.
+    The base of the step's precision policies (see the training guide's "Mixed
+    precision"): `compute` is the model the loss function sees (inside the
+    differentiated function), `gradients` the gradients the step goes on with, and
+    `reduce_dtype` the dtype the data axes' gradient sums run in (`None`: where autodiff
+    sums them, in their dtype there).
     """
 
-    reduce_dtype: Any = None
+    @property
+    def reduce_dtype(self) -> Any:
+        """The dtype the gradients are summed over the data axes in (`None`: their own)."""
+        return None
+
+    @property
+    def compute_dtype(self) -> Any:
+        """The dtype the loss function computes in (`None`: the parameters')."""
+        return None
+
+    def bind(self, data_axes: tuple[str, ...]) -> "Precision":
+        """This policy for a step whose loss runs inside `shard_map` over `data_axes`
+        (`()` in the global view): arrays split over them are FSDP shards, which their
+        gathers cast."""
+        return self
 
     def compute(self, model: PyTree) -> PyTree:
         """The model the loss function sees (inside the differentiated function)."""
         return model
-
-    def context(self) -> contextlib.AbstractContextManager:
-        """The context the loss function is traced in."""
-        return contextlib.nullcontext()
 
     def gradients(self, grads: PyTree) -> PyTree:
         """The gradients the step goes on with."""
@@ -43,6 +60,21 @@ class Precision:
 
 
 FULL_PRECISION = Precision()
+"""The default policy: no cast."""
+
+
+def _floating(name: str, dtype: Any) -> Any:
+    """`dtype` as a floating `jnp.dtype` (or `None`), refused by name otherwise."""
+    try:
+        ok = dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if dtype is not None and not ok:
+        raise LayerConfigError(
+            f"MixedPrecision: {name} must be a floating dtype (e.g. jnp.bfloat16) or None, "
+            f"got {dtype!r}."
+        )
+    return None if dtype is None else jnp.dtype(dtype)
 
 
 class MixedPrecision(Precision):
@@ -52,8 +84,10 @@ class MixedPrecision(Precision):
     `compute_dtype`, so the gradients arrive in the parameters' own dtype (the cast's
     transpose). Arrays split over a data axis (FSDP's shards, in the local view) are
     left to their gathers, which cast them to `gather_dtype` before the all-gather and
-    reduce-scatter their gradients in `reduce_dtype` (`fsdp_dtypes`); the gradients
-    of replicated parameters are all-reduced in `reduce_dtype` too.
+    reduce-scatter their gradients in `reduce_dtype` (each FSDP unit's own dtypes, where
+    it sets none: `equishard.nn.with_fsdp_dtypes`); the gradients of replicated
+    parameters are all-reduced in `reduce_dtype` too. Float32 stays where numerics need
+    it: the layers compute norm statistics, the softmax and the loss in float32.
 
     **Arguments:**
 
@@ -61,17 +95,47 @@ class MixedPrecision(Precision):
     - `gather_dtype`: the dtype FSDP gathers in (`None`: `compute_dtype`).
     - `reduce_dtype`: the dtype gradients are reduced in (`None`: float32, as torch
       FSDP2's `reduce_dtype` default under mixed precision).
-    - `data_axes`: the batch's mesh axes; `()` in the global view (every array cast).
+    - `data_axes`: set by the train step (`bind`): the axes FSDP shards are split over.
+
+    **Raises:**
+
+    `LayerConfigError` for a dtype that is not floating.
     """
 
+    dtypes: tuple[Any, Any, Any] = eqx.field(static=True)
+    data_axes: tuple[str, ...] = eqx.field(static=True)
+
     def __init__(
-        self, compute_dtype: Any, gather_dtype: Any = None, reduce_dtype: Any = None,
+        self, compute_dtype: Any, gather_dtype: Any = None, reduce_dtype: Any = None, *,
         data_axes: tuple[str, ...] = (),
     ):
-        self.compute_dtype = jnp.dtype(compute_dtype)
-        self.gather_dtype = jnp.dtype(gather_dtype if gather_dtype is not None else compute_dtype)
-        self.reduce_dtype = jnp.dtype(reduce_dtype if reduce_dtype is not None else jnp.float32)
-        self.data_axes = data_axes
+        compute = _floating("compute_dtype", compute_dtype)
+        if compute is None:
+            raise LayerConfigError(
+                "MixedPrecision: compute_dtype must be a floating dtype (e.g. jnp.bfloat16); "
+                "for no cast use the default policy, equishard.train.FULL_PRECISION."
+            )
+        gather = _floating("gather_dtype", gather_dtype)
+        reduce = _floating("reduce_dtype", reduce_dtype)
+        reduce = jnp.dtype(jnp.float32) if reduce is None else reduce
+        self.dtypes = (compute, compute if gather is None else gather, reduce)
+        self.data_axes = tuple(data_axes)
+
+    def bind(self, data_axes: tuple[str, ...]) -> "MixedPrecision":
+        return MixedPrecision(*self.dtypes, data_axes=data_axes)
+
+    @property
+    def compute_dtype(self) -> Any:
+        return self.dtypes[0]
+
+    @property
+    def gather_dtype(self) -> Any:
+        """The dtype FSDP gathers in."""
+        return self.dtypes[1]
+
+    @property
+    def reduce_dtype(self) -> Any:
+        return self.dtypes[2]
 
     def _cast(self, leaf: Any) -> Any:
         if is_sharded(leaf):
@@ -81,46 +145,19 @@ class MixedPrecision(Precision):
         return leaf.astype(self.compute_dtype) if eqx.is_inexact_array(leaf) else leaf
 
     def compute(self, model: PyTree) -> PyTree:
-        """`model` with its floating arrays in `compute_dtype` (FSDP shards as they are)."""
+        """`model` with its floating arrays in `compute_dtype` (FSDP shards as they are,
+        their gathers told `gather_dtype` and `reduce_dtype`)."""
+        model = with_fsdp_dtypes(model, self.gather_dtype, self.reduce_dtype)
         return jax.tree.map(self._cast, model, is_leaf=is_sharded)
 
-    def context(self) -> contextlib.AbstractContextManager:
-        """FSDP's gathers in `gather_dtype`, their gradients reduced in `reduce_dtype`."""
-        return fsdp_dtypes(self.gather_dtype, self.reduce_dtype)
 
-
-def _floating(name: str, dtype: Any) -> Any:
-    try:
-        ok = dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        ok = False
-    if dtype is not None and not ok:
-        raise LayerConfigError(
-            f"make_train_step: {name} must be a floating dtype (e.g. jnp.bfloat16) or None, "
-            f"got {dtype!r}."
-        )
-    return dtype
-
-
-def precision_of(
-    compute_dtype: Any, gather_dtype: Any, reduce_dtype: Any, data_axes: tuple[str, ...]
-) -> Precision:
-    """The step's precision from its options (validated), `FULL_PRECISION` if none is set.
-
-    **Raises:**
-
-    `LayerConfigError` for a dtype that is not floating, or `gather_dtype` /
-    `reduce_dtype` without `compute_dtype`.
-    """
-    for name, dtype in (("compute_dtype", compute_dtype), ("gather_dtype", gather_dtype),
-                        ("reduce_dtype", reduce_dtype)):  # fmt: skip
-        _floating(name, dtype)
-    if compute_dtype is None:
-        if gather_dtype is not None or reduce_dtype is not None:
-            raise LayerConfigError(
-                "make_train_step: gather_dtype and reduce_dtype are options of mixed "
-                "precision: set compute_dtype too (e.g. compute_dtype=jnp.bfloat16), or "
-                "give FSDP units their own gather_dtype / grad_scatter_dtype."
-            )
+def check_precision(precision: Any, what: str) -> Precision:
+    """`precision` if it is a policy (`None`: `FULL_PRECISION`), refused by name otherwise."""
+    if precision is None:
         return FULL_PRECISION
-    return MixedPrecision(compute_dtype, gather_dtype, reduce_dtype, data_axes)
+    if not isinstance(precision, Precision):
+        raise LayerConfigError(
+            f"{what}: precision must be a policy, equishard.train.MixedPrecision(compute_dtype) "
+            f"or FULL_PRECISION (the default), got {precision!r}."
+        )
+    return precision

@@ -15,9 +15,8 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._errors import TrainStepError
 from ..sharding import path_str, sharded_init
-from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, ZeroAxes
 from ._format import FORMAT_VERSION, TRAIN_STATE_FIELDS
-from ._opt_sharding import opt_state_sharding
+from ._opt_sharding import OptStateSharding, bind_opt_sharding
 
 
 class TrainState(eqx.Module):
@@ -99,8 +98,7 @@ def init_train_state(
     key: PRNGKeyArray,
     *,
     mesh: Mesh,
-    zero: ZeroAxes | None = None,
-    zero_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
+    opt_sharding: OptStateSharding | None = None,
 ) -> TrainState:
     """Build a `TrainState` directly sharded on `mesh` (mesh-invariant).
 
@@ -116,20 +114,18 @@ def init_train_state(
       boolean fields are carried unchanged.
     - `key`: the run's key; the model is built from `fold_in(key, 0)`.
     - `mesh`: the mesh.
-    - `zero`: optimizer-state sharding (ZeRO-1): the mesh axis or axes (e.g. `"dp"`)
-      the optimizer state's arrays are split over, beyond their parameters' specs
-      (`equishard.sharding.zero_split`); the state then trains with
-      `make_train_step(..., zero=...)` of the same axes. `None`: the state mirrors the
-      parameters' specs. See the training guide.
-    - `zero_min_weight_size`: with `zero`, optimizer-state arrays of fewer elements stay
-      as their parameters are.
+    - `opt_sharding`: the optimizer state's layout, the train step's: `Mirror()` (the
+      default, `None`: the state mirrors the parameters' specs) or `ZeRO1(axes)`
+      (optimizer-state sharding: its arrays split over those data axes beyond their
+      parameters' specs, `equishard.sharding.zero_split`). `TrainStep.init_state`
+      passes the step's own; see the training guide.
 
     **Returns:**
 
     The initial state, every array placed by its spec.
     """
     # checked before tracing
-    layout = opt_state_sharding(zero, mesh, zero_min_weight_size, "init_train_state")
+    layout = bind_opt_sharding(opt_sharding, mesh, "init_train_state")
 
     def make(key: PRNGKeyArray) -> TrainState:
         model, model_state = split_model_state(make_model(jax.random.fold_in(key, 0)))

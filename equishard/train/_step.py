@@ -12,11 +12,13 @@ The step has two phases under one `jax.jit`:
   device, and XLA inserts the few scalar reductions a global quantity needs.
   Elementwise transforms (adam, adamw, sgd) add no communication.
 
-The parts, each a module-level function of one job: the loss adapter (`_loss`), the
-precision hook (`_precision`), the gradients and their accumulation (`_gradients`), the
-optimizer-state layout (`_opt_sharding`) and the guarded update (`_update`). This module
-assembles them (`step_body`), checks what a call is given (`check_state`, `check_batch`)
-and wraps the program (`TrainStep`, `CompiledTrainStep`).
+The parts: the loss adapter (`_loss`), the precision policy (`_precision`), the gradients
+and their accumulation (`_gradients`), the optimizer-state layout (`_opt_sharding`) and the
+guarded update (`_update`). The precision policy and the optimizer-state layout are values
+the caller passes and the `TrainStep` holds as fields (one source of truth:
+`TrainStep.init_state` builds the state in the step's own layout). This module assembles
+the parts (`step_body`), checks what a call is given (`check_state`, `check_batch`) and
+wraps the program (`TrainStep`, `CompiledTrainStep`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -33,17 +35,16 @@ import jax.numpy as jnp
 import optax
 from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._compile import check_compiler_options
 from .._errors import LayerConfigError, TrainStepError
 from ..sharding import filter_shard_map, path_str, shard
-from ..sharding._internal import DEFAULT_MIN_WEIGHT_SIZE, ZeroAxes
 from ._gradients import data_axes_of, global_gradients, gradient_specs, local_gradients
 from ._loss import LossAdapter, LossFn, describe
-from ._opt_sharding import OptStateSharding, opt_state_sharding
-from ._precision import Precision, precision_of
-from ._state import TrainState
+from ._opt_sharding import OptStateSharding, bind_opt_sharding
+from ._precision import Precision, check_precision
+from ._state import TrainState, init_train_state
 from ._update import all_finite, clip, guarded_update, traced_once
 
 Metrics = dict[str, Any]
@@ -261,12 +262,16 @@ def _quiet_donation() -> Iterator[None]:
 class TrainStep(eqx.Module):
     """A jitted `step(state, batch) -> (state, metrics)`, made by `make_train_step`.
 
-    Each call checks the state (not donated already, laid out on the step's mesh) before
+    Its parts are fields: `mesh`, `optimizer`, `opt_sharding` (the optimizer state's
+    layout, bound to the mesh) and `precision` (the precision policy). Each call checks the state (not donated already, laid out on the step's mesh) before
     dispatching the program; a new batch shape compiles anew, as `jax.jit` does.
     """
 
     jitted: Any = eqx.field(static=True)
     mesh: Mesh = eqx.field(static=True)
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+    opt_sharding: OptStateSharding = eqx.field(static=True)
+    precision: Precision = eqx.field(static=True)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         """One step: `(new_state, metrics)` (see `make_train_step`)."""
@@ -275,6 +280,17 @@ class TrainStep(eqx.Module):
         with _quiet_donation():
             new_arrays, metrics = self.jitted(arrays, batch, static)
         return eqx.combine(new_arrays, static.tree()), metrics
+
+    def init_state(self, make_model: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> TrainState:
+        """The initial state for this step: `init_train_state` with the step's optimizer,
+        mesh and optimizer-state layout (born sharded, mesh-invariant).
+
+        **Arguments:**
+
+        - `make_model`: `key -> model` (or `-> (model, state)`), as `init_train_state`'s.
+        - `key`: the run's key.
+        """
+        return init_train_state(make_model, self.optimizer, key, mesh=self.mesh, opt_sharding=self.opt_sharding)
 
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
         """The step lowered for this state and batch, without running it."""
@@ -361,11 +377,8 @@ def make_train_step(
     clip_norm: float | None = None,
     donate: bool = True,
     view: str = "local",
-    zero: ZeroAxes | None = None,
-    zero_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE,
-    compute_dtype: Any = None,
-    gather_dtype: Any = None,
-    reduce_dtype: Any = None,
+    opt_sharding: OptStateSharding | None = None,
+    precision: Precision | None = None,
     compiler_options: dict[str, Any] | None = None,
     batch_stats: str = "global",
 ) -> TrainStep:
@@ -422,25 +435,25 @@ def make_train_step(
       the global batch and returns its mean (a `pmean` over no axes, `()`, is a no-op);
       `index` is `0, ..., B - 1`. The mesh's axes must be `Auto` (what `make_mesh`
       builds). See the "Your own model" guide for what each view costs.
-    - `zero`: optimizer-state sharding (ZeRO-1) over these data axes (e.g. `"dp"`), for
-      a state built by `init_train_state(..., zero=...)` with the same axes: the
+    - `opt_sharding`: the optimizer state's layout, a value the step holds: `Mirror()`
+      (default, `None`: the state's arrays as their parameters) or `ZeRO1(axes)`
+      (optimizer-state sharding over those data axes, e.g. `ZeRO1("dp")`): the
       parameters stay replicated over them, each gradient that the ZeRO rule splits
       (`equishard.sharding.zero_split`) is reduce-scattered over them once per step
       (after the last micro-step) instead of all-reduced, the update runs on the
       optimizer state's shards, and the updated parameters are all-gathered once: the
-      same bytes as the all-reduce, and 1/n of the optimizer state per device. See the
+      same bytes as the all-reduce, and 1/n of the optimizer state per device. Build the
+      state with `step.init_state(make_model, key)`, which uses this layout. See the
       training guide.
-    - `zero_min_weight_size`: with `zero`, the arrays of fewer elements that stay
-      replicated (as in `init_train_state`).
-    - `compute_dtype`: mixed precision (e.g. `jnp.bfloat16`): the loss function sees
-      the model with its floating arrays cast to this dtype inside the differentiated
-      function, so the parameters (the master weights), their gradients and the
-      optimizer state stay in their own dtype (float32); `None` (default): no cast.
-      See the training guide's "Mixed precision".
-    - `gather_dtype`: with `compute_dtype`, the dtype FSDP gathers its shards in
-      (`None`: `compute_dtype`; an `FSDP` unit's own `gather_dtype` takes precedence).
-    - `reduce_dtype`: with `compute_dtype`, the dtype gradients are reduced in, FSDP's
-      reduce-scatters and the data axes' all-reduce (`None`: float32, as torch FSDP2).
+    - `precision`: the precision policy, a value the step holds: `FULL_PRECISION`
+      (default, `None`: no cast) or `MixedPrecision(compute_dtype, gather_dtype,
+      reduce_dtype)`: the loss function sees the model with its floating arrays cast to
+      `compute_dtype` inside the differentiated function, so the parameters (the master
+      weights), their gradients and the optimizer state stay in their own dtype; FSDP
+      gathers in `gather_dtype` (`None`: `compute_dtype`; an `FSDP` unit's own dtypes
+      take precedence) and gradients are reduced in `reduce_dtype` (`None`: float32, as
+      torch FSDP2). The policy decides every cast: the loss function casts nothing. See
+      the training guide's "Mixed precision".
     - `batch_stats`: `"global"` (default): an `eqx.nn.BatchNorm` (written as on one device,
       `axis_name` the name of the `vmap` over the batch) takes its statistics over the
       examples of the whole micro-batch, across the data axes, as on one device
@@ -468,7 +481,7 @@ def make_train_step(
     **Raises:**
 
     `LayerConfigError` for an option that cannot work (`grad_accum < 1`, an unknown
-    `view`, `zero` axes not on the mesh, a dtype that is not floating); `TrainStepError` for `clip_norm <= 0` and,
+    `view`, `ZeRO1` axes not on the mesh, a `precision` or `opt_sharding` that is not one); `TrainStepError` for `clip_norm <= 0` and,
     when the step is called or compiled, for what breaks its contract: a loss function
     that does not return a floating scalar and a dict of metrics, an optimizer whose
     state changes structure or dtype in its update, a state donated already or laid out
@@ -478,9 +491,9 @@ def make_train_step(
     _check_options(grad_accum, view, mesh, clip_norm)
     _check_batch_stats(batch_stats, view)
     compiler_options = check_compiler_options(compiler_options, "make_train_step")
-    layout = opt_state_sharding(zero, mesh, zero_min_weight_size, "make_train_step")
+    layout = bind_opt_sharding(opt_sharding, mesh, "make_train_step")
     data_axes = data_axes_of(batch_spec) if view == "local" else ()
-    precision = precision_of(compute_dtype, gather_dtype, reduce_dtype, data_axes)
+    precision = check_precision(precision, "make_train_step").bind(data_axes)
     parts = _Parts(
         loss_fn, optimizer, mesh, batch_spec, grad_accum, clip_norm, view, layout,
         precision, batch_stats,
@@ -494,4 +507,4 @@ def make_train_step(
         donate_argnums=(0,) if donate else (),
         compiler_options=compiler_options,
     )
-    return TrainStep(jitted, mesh)
+    return TrainStep(jitted, mesh, optimizer, layout, precision)

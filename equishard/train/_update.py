@@ -156,11 +156,11 @@ def first_update(
         if jax.tree.structure(expected) == jax.tree.structure(opt_state):
             raise  # the state is as the optimizer builds it: another error
         raise LayerConfigError(
-            f"make_train_step(zero={layout.axes or None!r}): optimizer.update cannot map the "
+            f"make_train_step(opt_sharding={layout!r}): optimizer.update cannot map the "
             f"state's optimizer state over the gradients: their trees differ (a box's spec is "
-            f"part of the tree). A state built by init_train_state(..., zero=...) trains with "
-            f"make_train_step(..., zero=...) of the same axes and zero_min_weight_size, and a "
-            f"state built without it with zero=None (see the training guide). optax said: "
+            f"part of the tree). A state built by init_train_state(..., opt_sharding=...) "
+            f"trains with a step of the same opt_sharding (step.init_state builds it so), and "
+            f"a state built without it with Mirror() (see the training guide). optax said: "
             f"{str(err).splitlines()[0]}"
         ) from err
     check_state_kept(opt_state, new_state)
