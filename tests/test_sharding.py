@@ -378,28 +378,58 @@ def test_gather_inside_jit():
     assert out.blocks[0].w1.value.sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
+# Each layout with what it must resolve to, written out by hand: (axes, data axes, tensor,
+# fsdp, context, pipeline, batch spec, ways the batch splits, ZeRO axis, micro-batches).
+RESOLVED = [
+    (
         es.Layout("dp=2,fsdp=2,tp=2", sequence_parallel=True),
+        {"dp": 2, "fsdp": 2, "tp": 2}, ("dp", "fsdp"), "tp", "fsdp", None, None,
+        P(("dp", "fsdp")), 4, None, 1,
+    ),
+    (
         es.Layout("pp=2,dp=2,tp=2", num_microbatches=4, pipeline_schedule="1f1b"),
+        {"pp": 2, "dp": 2, "tp": 2}, ("dp",), "tp", None, None, "pp", P("dp"), 2, None, 4,
+    ),
+    (
         es.Layout("dp=2,cp=4", cp_impl="alltoall"),
+        {"dp": 2, "cp": 4}, ("dp",), None, None, "cp", None, P("dp", "cp"), 2, None, 1,
+    ),
+    (
         es.Layout("dp=4,tp=2", zero=True),
+        {"dp": 4, "tp": 2}, ("dp",), "tp", None, None, None, P("dp"), 4, "dp", 1,
+    ),
+    (
         es.Layout("fsdp=-1,tp=2"),
-    ],
-)
-def test_a_layout_is_resolved_once_into_what_every_reader_reads(layout):
+        {"fsdp": 4, "tp": 2}, ("fsdp",), "tp", "fsdp", None, None, P("fsdp"), 4, None, 1,
+    ),
+    (  # the user's own axis names, given roles
+        es.Layout("replica=2,shard=2,model=2", zero=True, roles={"replica": "data", "shard": "fsdp", "model": "tensor"}),
+        {"replica": 2, "shard": 2, "model": 2}, ("replica", "shard"), "model", "shard", None,
+        None, P(("replica", "shard")), 4, "replica", 1,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", RESOLVED, ids=lambda c: c[0].spec)
+def test_a_layout_resolves_to_its_axes_roles_and_batch_spec(case):
+    layout, axes, data, tensor, fsdp, context, pipeline, batch_spec, ways, zero, micro = case
     resolved = layout.resolve(8)
-    assert resolved.layout is layout and resolved.spec == layout.spec
-    assert resolved.axes == layout.axes(8) and resolved.num_devices == 8
-    assert resolved.parallelism == layout.parallelism(8)
-    assert resolved.batch_spec == layout.batch_spec(8)
-    assert resolved.data_parallel_size == layout.data_parallel_size(8)
-    assert resolved.zero == layout.zero_axes(8)
     par = resolved.parallelism
-    assert resolved.num_microbatches == (par.num_microbatches if par.pipeline else 1)
-    mesh = resolved.mesh(jax.devices())
-    assert dict(mesh.shape) == resolved.axes
+    assert resolved.layout is layout and resolved.spec == layout.spec
+    assert resolved.axes == axes and resolved.num_devices == 8
+    assert (par.data_axes, par.tensor, par.fsdp, par.context, par.pipeline) == (data, tensor, fsdp, context, pipeline)
+    assert resolved.batch_spec == batch_spec and resolved.data_parallel_size == ways
+    assert resolved.zero == zero and resolved.num_microbatches == micro
+    assert dict(resolved.mesh(jax.devices()).shape) == axes
+
+
+def test_an_axis_without_a_role_is_named():
+    with pytest.raises(es.MeshError, match="the axis 'model' has no role"):
+        es.Layout("dp=4,model=2").resolve(8)
+    with pytest.raises(es.MeshError, match="'dp' and 'replica' both play the role 'data'"):
+        es.Layout("dp=4,replica=2", roles={"replica": "data"}).resolve(8)
+    with pytest.raises(es.MeshError, match="the role 'weights'"):
+        es.Layout("dp=4,model=2", roles={"model": "weights"}).resolve(8)
 
 
 def test_a_layout_is_checked_where_it_is_resolved():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard import LayerConfigError
@@ -46,8 +48,11 @@ def _batches():
 
 
 def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimizer=None, steps=STEPS,
-           pipeline_schedule=None, cp_impl="ring", **kw):  # fmt: skip
-    layout = Layout(spec, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule, cp_impl=cp_impl)
+           pipeline_schedule=None, cp_impl="ring", roles=(), **kw):  # fmt: skip
+    layout = Layout(
+        spec, sequence_parallel=sequence_parallel, pipeline_schedule=pipeline_schedule, cp_impl=cp_impl,
+        roles=roles,
+    )  # fmt: skip
     mesh = layout.mesh()
     par = layout.parallelism()
     optimizer = optimizer or optax.adamw(3e-3)
@@ -86,6 +91,37 @@ def test_every_layout_trains_to_the_same_losses(spec):
     assert reference[-1] < reference[0] - 1.0  # it learns
     for step, (a, b) in enumerate(zip(losses, reference)):
         assert abs(a - b) <= 1e-4 * abs(b), (spec, step, a, b)
+
+
+def test_a_layout_in_the_users_axis_names_trains_to_the_same_losses():
+    """The GPT on a mesh whose axes are named ("replica", "shard", "model"), given the
+    data, fsdp and tensor roles, and a plain eqx.nn.MLP given specs by path rules in
+    those names (global view): the losses of the conventional names and of one device."""
+    roles = {"replica": "data", "shard": "fsdp", "model": "tensor"}
+    _, history = _train("replica=2,shard=2,model=2", DENSE, roles=roles, steps=5, sequence_parallel=True)
+    reference = _losses("dp=1", DENSE)[:5]
+    for step, (h, b) in enumerate(zip(history, reference)):
+        assert abs(h["loss"] - b) <= 1e-4 * abs(b), (step, h["loss"], b)
+    layout = Layout("replica=2,shard=2,model=2", roles=roles)
+    rules = [(r"layers\[0\]\.weight", P("model", "shard")), (r"layers\[1\]\.weight", P("shard", "model"))]
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+
+    def loss_fn(model, batch, key):
+        return jnp.mean(jax.vmap(es.unbox(model))(batch) ** 2), {}
+
+    curves = []
+    one = Layout("replica=1,shard=1,model=1", roles=roles).mesh(jax.devices()[:1])
+    for mesh, spec in ((layout.mesh(), layout.batch_spec()), (one, P())):
+        make = lambda k: es.apply_rules(eqx.nn.MLP(32, 32, 64, 1, key=k), rules)  # noqa: E731
+        optimizer = optax.adam(1e-2)
+        step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=spec, view="global")
+        state = step.init_state(make, jax.random.key(0))
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, x)
+            losses.append(float(metrics["loss"]))
+        curves.append(losses)
+    assert max(abs(a - b) / abs(b) for a, b in zip(*curves)) <= 1e-5, curves
 
 
 GQA = dataclasses.replace(DENSE, n_kv_heads=2)

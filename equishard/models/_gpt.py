@@ -54,6 +54,12 @@ from ..sharding import (
 from ..sharding._internal import spec_axes
 
 TP = "tp"
+"""The tensor axis's name where the layout has none (the layers then compute locally)."""
+
+
+def tensor_axis(par: Parallelism) -> str:
+    """The mesh axis that plays the tensor role in `par` (the user's name), or `TP`."""
+    return par.tensor or TP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +195,7 @@ def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray)
     n_kv = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
     return TransformerBlock(
         config.d_model, config.n_heads, config.d_ff, n_kv_heads=n_kv,
-        kv_replicated=par.size(par.tensor) > n_kv, axis_name=TP, context_axis_name=par.context,
+        kv_replicated=par.size(par.tensor) > n_kv, axis_name=tensor_axis(par), context_axis_name=par.context,
         context_impl=par.context_impl, style=style, rotary=True,
         rotary_base=config.rotary_base, swiglu=True, moe=experts, key=key,
     )  # fmt: skip
@@ -373,7 +379,7 @@ class GPT(eqx.Module, GathersFSDP):
         sp = par.sequence_parallel
         axes = par.axes
         self.embed = ParallelEmbedding(
-            config.vocab_size, config.d_model, axis_name=TP, partition="vocab",
+            config.vocab_size, config.d_model, axis_name=tensor_axis(par), partition="vocab",
             sequence_parallel=sp, init_type="normal", normal_std=0.02, key=ekey,
         )  # fmt: skip
         num_units = config.n_layers // max(config.moe_every, 1)
@@ -394,7 +400,7 @@ class GPT(eqx.Module, GathersFSDP):
             keys = jax.random.split(ukey, num_units)
             units = add_leading_axis(eqx.filter_vmap(make_unit)(keys))
         head = None if config.tied else ColumnParallelLinear(
-            config.d_model, config.vocab_size, axis_name=TP, bias=False, gather_output=False,
+            config.d_model, config.vocab_size, axis_name=tensor_axis(par), bias=False, gather_output=False,
             sequence_parallel=sp, key=hkey,
         )  # fmt: skip
         norm = RMSNorm(config.d_model)
@@ -490,7 +496,7 @@ class GPT(eqx.Module, GathersFSDP):
             return self._gathered(self.head, h)(h)
         table = jnp.asarray(self._gathered(self.embed, h).weight.value)
         if self.parallelism.sequence_parallel:
-            h = gather_tokens(h, TP)
+            h = gather_tokens(h, tensor_axis(self.parallelism))
         # f32[B, T(/tp), D] @ f32[D, V/tp]
         return matmul_t(h, table)
 
@@ -640,20 +646,21 @@ def _mean_cross_entropy(
     `h`: `[B, T(/tp), D]` (split over the tokens with sequence parallelism); the output
     weight is the untied `head`'s or the tied embedding `table` (`f32[V/tp, D]`).
     """
+    tp = tensor_axis(par)
     if config.fused_loss:
-        if par.sequence_parallel and is_bound(TP):
-            h = gather_tokens(h, TP)  # f32[B, T/tp, D] -> f32[B, T, D]
+        if par.sequence_parallel and is_bound(tp):
+            h = gather_tokens(h, tp)  # f32[B, T/tp, D] -> f32[B, T, D]
         weight = head.weight if head is not None else table
-        sums = fused_cross_entropy(h, weight, labels, TP, chunk_size=config.loss_chunk_size)
+        sums = fused_cross_entropy(h, weight, labels, tp, chunk_size=config.loss_chunk_size)
         return sums.loss / labels.size
     if head is not None:
         logits = head(h)
     else:
-        if par.sequence_parallel and is_bound(TP):
-            h = gather_tokens(h, TP)
+        if par.sequence_parallel and is_bound(tp):
+            h = gather_tokens(h, tp)
         # f32[B, T, D] @ f32[D, V/tp]
         logits = matmul_t(h, jnp.asarray(table.value))
-    return jnp.mean(vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, TP))
+    return jnp.mean(vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, tp))
 
 
 def _position_row(positions: Array | None) -> tuple[Array, ...]:

@@ -1,7 +1,10 @@
 """One layout description for every parallelism: `"dp=2,fsdp=2,tp=2"` plus options.
 
 A `Layout` is what was asked for (the command line's `--layout` and its options, or the
-Python API's arguments). `Layout.resolve` parses and validates it once, for a number of
+Python API's arguments), in the user's own axis names: each mesh axis plays a role (data,
+fsdp, context, tensor, expert, pipeline), the conventional names `dp`, `fsdp`, `cp`, `tp`,
+`ep`, `pp` by default and any others through `roles` (as Haliax maps logical axes to the
+mesh's once). `Layout.resolve` parses and validates it once, for a number of
 devices, into a `ResolvedLayout`: the axes and their sizes, how a model uses them (a
 `Parallelism`: the batch is split over the data axes `dp`, `fsdp`, `ep`, parameters over
 `fsdp` (FSDP) and `tp` (tensor parallel), experts over `ep`, layers over `pp`
@@ -26,12 +29,16 @@ from ._fsdp import DEFAULT_MIN_WEIGHT_SIZE
 from ._mesh import make_mesh, parse_layout
 
 AXES = ("dp", "fsdp", "cp", "tp", "ep", "pp")
-"""The axis names a layout may use: data, fully-sharded data, context, tensor, expert, pipeline."""
+"""The conventional axis names: data, fully-sharded data, context, tensor, expert, pipeline."""
 
-DATA_AXES = ("dp", "fsdp", "ep")
-"""The axes a batch is split over: data, fully-sharded data, expert."""
-ZERO_AXIS = "dp"
-"""The axis the optimizer state is split over under `Layout.zero` (ZeRO-1)."""
+ROLES = ("data", "fsdp", "context", "tensor", "expert", "pipeline")
+"""What a mesh axis can do in a layout (`Layout.roles` maps axis names to these)."""
+
+DEFAULT_ROLES: dict[str, str] = dict(zip(AXES, ROLES))
+"""The role of each conventional axis name (`dp` data, `fsdp` fsdp, `cp` context, ...)."""
+
+DATA_ROLES = ("data", "fsdp", "expert")
+"""The roles whose axes the batch is split over: data, fully-sharded data, expert."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +104,14 @@ class Layout:
     - `fsdp_min_weight_size`: arrays smaller than this stay replicated under `fsdp`.
     - `cp_impl`: the attention over a `cp` axis: `"ring"` (ring attention) or
       `"alltoall"` (Ulysses; needs the heads per tensor shard divisible by cp).
-    - `zero`: optimizer-state sharding over `dp` (ZeRO-1): the parameters stay
-      replicated over `dp`, the optimizer state's arrays are split over it (arrays below
+    - `zero`: optimizer-state sharding over the data axis (ZeRO-1): the parameters stay
+      replicated over it, the optimizer state's arrays are split over it (arrays below
       `fsdp_min_weight_size` stay replicated), the gradients are reduce-scattered and
       the updated parameters all-gathered once per step. See the training guide.
+    - `roles`: the role of each mesh axis whose name is not a conventional one, e.g.
+      `{"replica": "data", "shard": "fsdp", "model": "tensor"}` for the spec
+      `"replica=2,shard=2,model=2"` (roles from `ROLES`; the conventional names `AXES`
+      keep their own roles unless named here). Each role is played by one axis at most.
 
     `resolve` parses and validates the layout once; the other methods are shorthands
     for one field of it (each resolves anew: a program that reads several resolves once
@@ -115,6 +126,16 @@ class Layout:
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
     cp_impl: str = RING
     zero: bool = False
+    roles: tuple[tuple[str, str], ...] | dict[str, str] = ()
+
+    def __post_init__(self) -> None:
+        # Hashable and order-free, however it was given.
+        object.__setattr__(self, "roles", tuple(sorted(dict(self.roles).items())))
+
+    def role_of(self) -> dict[str, str]:
+        """Each role's mesh axis name, from `roles` over the defaults (unchecked)."""
+        given = dict(self.roles)
+        return {**DEFAULT_ROLES, **given}
 
     def resolve(self, num_devices: int | None = None) -> ResolvedLayout:
         """Parse and validate the layout for `num_devices` devices (default: all of
@@ -132,55 +153,77 @@ class Layout:
         repeats below 1.
         """
         axes = parse_layout(self.spec, num_devices)
-        self._check(axes)
-        pp = axes.get("pp")
-        data_axes = tuple(a for a in axes if a in DATA_AXES)
+        named = self._check(axes)  # role -> the axis playing it
+        pipeline = named.get("pipeline")
+        pp = axes[pipeline] if pipeline else None
+        data_axes = tuple(a for a in axes if self.role_of().get(a) in DATA_ROLES)
         parallelism = Parallelism(
             axes=tuple(axes),
             sizes=tuple(axes.values()),
             data_axes=data_axes,
-            tensor="tp" if "tp" in axes else None,
-            fsdp="fsdp" if "fsdp" in axes else None,
-            expert="ep" if "ep" in axes else None,
-            pipeline="pp" if pp else None,
+            tensor=named.get("tensor"),
+            fsdp=named.get("fsdp"),
+            expert=named.get("expert"),
+            pipeline=pipeline,
             num_stages=pp or 1,
             num_microbatches=(self.num_microbatches or pp or 1) if pp else 1,
             pipeline_repeats=self.pipeline_repeats,
             pipeline_schedule=self.pipeline_schedule,
             sequence_parallel=self.sequence_parallel,
             fsdp_min_weight_size=self.fsdp_min_weight_size,
-            context="cp" if "cp" in axes else None,
+            context=named.get("context"),
             context_impl=self.cp_impl,
         )
         data = data_axes or None
         return ResolvedLayout(
             layout=self,
             parallelism=parallelism,
-            zero=ZERO_AXIS if self.zero else None,
+            zero=named.get("data") if self.zero else None,
             batch_spec=P(data, parallelism.context) if parallelism.context else P(data) if data else P(),
             data_parallel_size=math.prod(axes[a] for a in data_axes),
         )
 
-    def _check(self, axes: dict[str, int]) -> None:
-        """The options against the parsed axes (see `resolve`)."""
-        unknown = [a for a in axes if a not in AXES]
+    def _check(self, axes: dict[str, int]) -> dict[str, str]:
+        """The options against the parsed axes (see `resolve`); each role's axis."""
+        roles = self.role_of()
+        bad = [(a, r) for a, r in dict(self.roles).items() if r not in ROLES]
+        if bad:
+            raise MeshError(
+                f"layout {self.spec!r}: roles gives the axis {bad[0][0]!r} the role "
+                f"{bad[0][1]!r}; the roles are {', '.join(ROLES)}."
+            )
+        unknown = [a for a in axes if a not in roles]
         if unknown:
             raise MeshError(
-                f"layout {self.spec!r}: unknown axis {unknown[0]!r}; a layout uses the axes "
-                f"{', '.join(AXES)} (data, fully-sharded data, context, tensor, expert, "
-                f"pipeline)."
+                f"layout {self.spec!r}: the axis {unknown[0]!r} has no role; a layout uses "
+                f"the axes {', '.join(AXES)} (data, fully-sharded data, context, tensor, "
+                f"expert, pipeline), or others given a role by Layout(roles={{{unknown[0]!r}: "
+                f"'data'}}) (roles: {', '.join(ROLES)})."
             )
+        named: dict[str, str] = {}
+        for axis in axes:
+            if roles[axis] in named:
+                raise MeshError(
+                    f"layout {self.spec!r}: the axes {named[roles[axis]]!r} and {axis!r} both "
+                    f"play the role {roles[axis]!r}; one axis per role."
+                )
+            named[roles[axis]] = axis
+        self._check_options(axes, named)
+        return named
+
+    def _check_options(self, axes: dict[str, int], named: dict[str, str]) -> None:
+        """The options against the axes that play their roles (see `resolve`)."""
         if self.cp_impl not in CONTEXT_IMPLS:
             raise MeshError(
                 f"layout {self.spec!r}: cp_impl (--cp-impl) {self.cp_impl!r} is not one of "
                 f"{', '.join(CONTEXT_IMPLS)}."
             )
-        if self.sequence_parallel and "tp" not in axes:
-            raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a 'tp' axis.")
-        if self.zero and axes.get(ZERO_AXIS, 1) < 2:
+        if self.sequence_parallel and "tensor" not in named:
+            raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a tensor axis ('tp').")
+        if self.zero and axes.get(named.get("data", ""), 1) < 2:
             raise MeshError(
                 f"layout {self.spec!r}: zero (--zero) splits the optimizer state over the "
-                f"'dp' axis, which this layout lacks (or has of size 1); under 'fsdp' the "
+                f"data axis ('dp'), which this layout lacks (or has of size 1); under fsdp the "
                 f"optimizer state is already split like the parameters."
             )
         if self.num_microbatches is not None and self.num_microbatches < 1:
