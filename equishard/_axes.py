@@ -122,6 +122,17 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", None) or ())
 
 
+def invariant_along(x: Any, axes: Iterable[str]) -> str | tuple[str, ...] | None:
+    """Those of `axes` along which `x` is typed invariant (one name, or a tuple of
+    several), or `None` if it varies along all of them: the check both local-loss
+    functions (a mean-gradient gather, `sync_gradients`) make before averaging a
+    gradient over `axes` (an invariant one has no per-device gradient to average)."""
+    invariant = tuple(a for a in axes if a not in varying_axes(x))
+    if not invariant:
+        return None
+    return invariant[0] if len(invariant) == 1 else invariant
+
+
 def mesh_ordered(axes: Iterable[str]) -> tuple[str, ...]:
     """`axes` sorted into the order the current mesh declares them.
 

@@ -27,7 +27,7 @@ from .._axes import (
     axis_tuple,
     cast_varying,
     combined_axis_size,
-    varying_axes,
+    invariant_along,
     vma_checked,
 )
 from .._errors import ConventionError
@@ -138,9 +138,8 @@ def check_mean_grads_input(fn_name: str, x: Any, axis_name: AxisName) -> None:
     axes = axis_tuple(axis_name)
     if not vma_checked(axes):
         return
-    invariant = tuple(a for a in axes if a not in varying_axes(x))
-    if invariant:
-        names = invariant[0] if len(invariant) == 1 else invariant
+    names = invariant_along(x, axes)
+    if names is not None:
         raise ConventionError(
             f"{fn_name}: the array of shape {tuple(jnp.shape(x))} is invariant along "
             f"{names!r} under the varying-axes check (the same on every device: "

@@ -138,7 +138,68 @@ def lora_scale(layer: str, lora_rank: int | None, lora_alpha: float) -> float:
     return float(lora_alpha) / lora_rank
 
 
-class ColumnParallelLinear(eqx.Module):
+class _ParallelLinear(eqx.Module):
+    """What the column- and the row-parallel layer share: the weight `[out, in]` split
+    over one of its dimensions (`split`: 0, the outputs, or 1, the inputs), with
+    `stride` interleaved pieces; a zero bias; LoRA factors, the one that touches the
+    split features split as the weight is; and the options both take."""
+
+    weight: Sharded
+    bias: Sharded | None
+    lora_a: Sharded | None
+    lora_b: Sharded | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    init_type: str = eqx.field(static=True)
+    stride: int = eqx.field(static=True)
+    lora_rank: int | None = eqx.field(static=True)
+    lora_scale: float = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+
+    def _init_parameters(
+        self, name: str, split: int, in_features: int, out_features: int, *, axis_name: str,
+        bias: bool, init_type: str, stride: int, lora_rank: int | None, lora_alpha: float,
+        sequence_parallel: bool, dtype: Any, key: PRNGKeyArray,
+    ) -> None:  # fmt: skip
+        """Check the options and build the arrays (mesh-invariant: the global arrays from
+        `key`, then split), for `name` splitting dimension `split` of the weight."""
+        check_positive(name, "in_features", in_features)
+        check_positive(name, "out_features", out_features)
+        check_init_type(name, init_type)
+        check_stride(name, ("out_features", "in_features")[split], (out_features, in_features)[split], stride)
+        self.lora_scale = lora_scale(name, lora_rank, lora_alpha)
+        wkey, _, akey = jax.random.split(key, 3)
+
+        def spread(a: Array, dim: int) -> Sharded:
+            # f32[..., F, ...] stored as f32[..., s, F/s, ...] when strided, split over the axis.
+            return Sharded(split_dim(a, dim, stride), strided_spec(a.ndim, dim, stride, axis_name))
+
+        # f32[out, in] (global), split over dimension `split`.
+        w = init_weight(wkey, (out_features, in_features), init_type, dtype=dtype)
+        self.weight = spread(w, split)
+        # zero, as the reference's layers (biased_normal too): split like the outputs by a
+        # column layer, replicated by a row layer (added once, after the sum)
+        b = jnp.zeros((out_features,), w.dtype)
+        self.bias = None if not bias else spread(b, 0) if split == 0 else Sharded(b, P())
+        self.lora_a = self.lora_b = None
+        if lora_rank is not None:
+            a = init_weight(akey, (lora_rank, in_features), "kaiming_uniform", dtype=dtype)
+            b0 = jnp.zeros((out_features, lora_rank), w.dtype)
+            # A f32[r, in] and B f32[out, r]: the factor on the split features split too.
+            self.lora_a = spread(a, 1) if split == 1 else Sharded(a, P())
+            self.lora_b = spread(b0, 0) if split == 0 else Sharded(b0, P())
+        self.in_features, self.out_features = in_features, out_features
+        self.axis_name, self.init_type, self.stride = axis_name, init_type, stride
+        self.lora_rank, self.sequence_parallel = lora_rank, sequence_parallel
+
+    @property
+    def master_weight(self) -> Array:
+        """The full global weight `[out_features, in_features]`; inside `shard_map` gathered."""
+        return master_of(self.weight, (self.out_features, self.in_features), self.axis_name)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """A linear layer whose weight is split over the output features.
 
     Each device computes `out_features / n` of the outputs. With `gather_output=True`
@@ -155,19 +216,7 @@ class ColumnParallelLinear(eqx.Module):
     (`[out, r]`, split like the weight), or `None`.
     """
 
-    weight: Sharded
-    bias: Sharded | None
-    lora_a: Sharded | None
-    lora_b: Sharded | None
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
-    axis_name: str = eqx.field(static=True)
     gather_output: bool = eqx.field(static=True)
-    init_type: str = eqx.field(static=True)
-    stride: int = eqx.field(static=True)
-    lora_rank: int | None = eqx.field(static=True)
-    lora_scale: float = eqx.field(static=True)
-    sequence_parallel: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -204,46 +253,17 @@ class ColumnParallelLinear(eqx.Module):
         - `key`: a PRNG key; the global weight is built from it (mesh-invariant).
         """
         name = "ColumnParallelLinear"
-        check_positive(name, "in_features", in_features)
-        check_positive(name, "out_features", out_features)
-        check_init_type(name, init_type)
-        check_stride(name, "out_features", out_features, stride)
-        self.lora_scale = lora_scale(name, lora_rank, lora_alpha)
         if sequence_parallel and gather_output:
             raise LayerConfigError(
                 f"{name}: sequence_parallel=True leaves the output split over features; "
                 "it requires gather_output=False."
             )
-        wkey, bkey, akey = jax.random.split(key, 3)
-        # f32[out, in] (global) stored as f32[s, out/s, in] when strided.
-        w = init_weight(wkey, (out_features, in_features), init_type, dtype=dtype)
-        self.weight = Sharded(split_dim(w, 0, stride), strided_spec(2, 0, stride, axis_name))
-        if bias:
-            b = jnp.zeros((out_features,), w.dtype)  # zero, as the reference's layers (biased_normal too)
-            self.bias = Sharded(split_dim(b, 0, stride), strided_spec(1, 0, stride, axis_name))
-        else:
-            self.bias = None
-        if lora_rank is not None:
-            a = init_weight(akey, (lora_rank, in_features), "kaiming_uniform", dtype=dtype)
-            b0 = jnp.zeros((out_features, lora_rank), w.dtype)
-            self.lora_a = Sharded(a, P())
-            self.lora_b = Sharded(split_dim(b0, 0, stride), strided_spec(2, 0, stride, axis_name))
-        else:
-            self.lora_a = None
-            self.lora_b = None
-        self.in_features = in_features
-        self.out_features = out_features
-        self.axis_name = axis_name
+        self._init_parameters(
+            name, 0, in_features, out_features, axis_name=axis_name, bias=bias,
+            init_type=init_type, stride=stride, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            sequence_parallel=sequence_parallel, dtype=dtype, key=key,
+        )  # fmt: skip
         self.gather_output = gather_output
-        self.init_type = init_type
-        self.stride = stride
-        self.lora_rank = lora_rank
-        self.sequence_parallel = sequence_parallel
-
-    @property
-    def master_weight(self) -> Array:
-        """The full global weight `[out_features, in_features]`; inside `shard_map` gathered."""
-        return master_of(self.weight, (self.out_features, self.in_features), self.axis_name)
 
     @property
     def master_bias(self) -> Array | None:
@@ -330,7 +350,7 @@ class ColumnParallelLinear(eqx.Module):
         return ys
 
 
-class RowParallelLinear(eqx.Module):
+class RowParallelLinear(_ParallelLinear):
     """A linear layer whose weight is split over the input features.
 
     Each device multiplies its `in_features / n` slice of the input; the partial
@@ -348,19 +368,7 @@ class RowParallelLinear(eqx.Module):
     `lora_b` (`[out, r]`, replicated), or `None`.
     """
 
-    weight: Sharded
-    bias: Sharded | None
-    lora_a: Sharded | None
-    lora_b: Sharded | None
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
-    axis_name: str = eqx.field(static=True)
     input_is_parallel: bool = eqx.field(static=True)
-    init_type: str = eqx.field(static=True)
-    stride: int = eqx.field(static=True)
-    lora_rank: int | None = eqx.field(static=True)
-    lora_scale: float = eqx.field(static=True)
-    sequence_parallel: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -396,41 +404,12 @@ class RowParallelLinear(eqx.Module):
         - `dtype`: the parameters' dtype (default: JAX's default float).
         - `key`: a PRNG key; the global weight is built from it (mesh-invariant).
         """
-        name = "RowParallelLinear"
-        check_positive(name, "in_features", in_features)
-        check_positive(name, "out_features", out_features)
-        check_init_type(name, init_type)
-        check_stride(name, "in_features", in_features, stride)
-        self.lora_scale = lora_scale(name, lora_rank, lora_alpha)
-        wkey, bkey, akey = jax.random.split(key, 3)
-        # f32[out, in] (global) stored as f32[out, s, in/s] when strided.
-        w = init_weight(wkey, (out_features, in_features), init_type, dtype=dtype)
-        self.weight = Sharded(split_dim(w, 1, stride), strided_spec(2, 1, stride, axis_name))
-        if bias:
-            # zero, as the reference's layers (biased_normal too)
-            self.bias = Sharded(jnp.zeros((out_features,), w.dtype), P())
-        else:
-            self.bias = None
-        if lora_rank is not None:
-            a = init_weight(akey, (lora_rank, in_features), "kaiming_uniform", dtype=dtype)
-            self.lora_a = Sharded(split_dim(a, 1, stride), strided_spec(2, 1, stride, axis_name))
-            self.lora_b = Sharded(jnp.zeros((out_features, lora_rank), w.dtype), P())
-        else:
-            self.lora_a = None
-            self.lora_b = None
-        self.in_features = in_features
-        self.out_features = out_features
-        self.axis_name = axis_name
+        self._init_parameters(
+            "RowParallelLinear", 1, in_features, out_features, axis_name=axis_name, bias=bias,
+            init_type=init_type, stride=stride, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            sequence_parallel=sequence_parallel, dtype=dtype, key=key,
+        )  # fmt: skip
         self.input_is_parallel = input_is_parallel
-        self.init_type = init_type
-        self.stride = stride
-        self.lora_rank = lora_rank
-        self.sequence_parallel = sequence_parallel
-
-    @property
-    def master_weight(self) -> Array:
-        """The full global weight `[out_features, in_features]`; inside `shard_map` gathered."""
-        return master_of(self.weight, (self.out_features, self.in_features), self.axis_name)
 
     @property
     def master_bias(self) -> Array | None:

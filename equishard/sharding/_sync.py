@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from .._axes import varying_axes, vma_checked
+from .._axes import invariant_along, vma_checked
 from .._errors import ConventionError
 from ._box import is_sharded
 from ._specs import is_array_like, path_str, spec_axes
@@ -73,10 +73,9 @@ def sync_gradients(grads: PyTree, axis_names: str | Sequence[str]) -> PyTree:
 
 def _check_varying(path: str, value: Any, replicated: tuple[str, ...]) -> None:
     """Refuse a gradient typed invariant along an axis it is to be averaged over."""
-    invariant = tuple(a for a in replicated if a not in varying_axes(value))
-    if not invariant:
+    names = invariant_along(value, replicated)
+    if names is None:
         return
-    names = invariant[0] if len(invariant) == 1 else invariant
     raise ConventionError(
         f"sync_gradients: the gradient `{path or '<root>'}` (shape {tuple(value.shape)}) is "
         f"invariant along {names!r} under the varying-axes check, so there is no per-device "
