@@ -141,11 +141,11 @@ def test_one_preset_registry_and_train_refuses_what_cannot_fit(tmp_path, capsys)
 
 
 def test_train_inspect_and_plan_declare_one_set_of_layout_options():
-    """`--layout` and its options come from one function: the same help, the same
-    choices (the library's constants) in every command that takes a layout."""
+    """`--layout` and its options come from one dataclass (`LayoutOptions`): the same
+    help, the same choices (the library's constants) in every command that takes a layout."""
     import argparse
 
-    from equishard._cli_base import add_layout_options
+    from equishard._app._internal import LayoutOptions, add_options
     from equishard.core import SCHEDULES
     from equishard.sharding import CONTEXT_IMPLS
 
@@ -165,7 +165,7 @@ def test_train_inspect_and_plan_declare_one_set_of_layout_options():
         return {a.option_strings[-1]: (a.help, a.choices) for a in p._actions if a.option_strings[-1] in names}
 
     reference = argparse.ArgumentParser()
-    add_layout_options(reference, default=None)
+    add_options(reference, LayoutOptions)
     expected = {a.option_strings[-1]: (a.help, a.choices) for a in reference._actions if a.option_strings[-1] != "-h" and a.option_strings[-1] != "--help"}
     assert expected["--cp-impl"][1] == CONTEXT_IMPLS and expected["--pipeline-schedule"][1] == SCHEDULES
     for command in ("train", "inspect", "plan"):
