@@ -19,14 +19,26 @@ it takes (`class TrainConfig(LayoutOptions, ModelOptions, ...)`): the fields sta
   classes.
 
 **Adding an option** is one field in `equishard/_app/_config.py`, in the section it
-belongs to; its flag, `--help` line, TOML key and resume behaviour follow::
+belongs to; its flag, `--help` line, TOML key and resume behaviour follow:
 
-    weight_decay: float = option(0.1, "AdamW's decoupled weight decay", resume=COMPUTATION)
+```python
+weight_decay: float = option(0.1, "AdamW's decoupled weight decay (0: none)", resume=COMPUTATION)
+```
 
-**Adding a command** is one dataclass there whose bases are the sections it takes (and
-fields of its own), and a parser built with `add_options`, read back with `from_args`.
-`tests/test_options.py` checks that every field of a run's configuration has a flag, a
-TOML key and a resume class.
+**Adding a command** (`tokenize`, `generate`, `eval`, `export`) is one dataclass there
+whose bases are the sections it shares (`class GenerateConfig(GenerateOptions,
+ModelOptions, LayoutOptions)`, its own options in a new `...Options` section, or as
+fields of the command with `resume=None` when no run saves them), and a parser:
+
+```python
+p = sub.add_parser("generate", help=..., formatter_class=HelpFormatter)
+add_options(p, GenerateConfig)
+p.set_defaults(run=lambda args: generate(from_args(GenerateConfig, args)))
+```
+
+A section is a frozen dataclass whose name ends in `Options`: its lowercase name without
+the suffix is its TOML table. `tests/test_options.py` checks that every field of a run's
+configuration has a flag, a TOML key and a resume class.
 """
 
 from __future__ import annotations
