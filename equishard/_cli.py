@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._cli_base import HelpFormatter, add_layout_options, check_platforms, use_cpu_devices
+from ._cli_base import HelpFormatter, check_platforms, use_cpu_devices
 
 MAX_DEVICES = 65536
 """The most devices a command simulates (`--devices`): a typo must not take the machine's
@@ -80,30 +80,16 @@ def _train(args: argparse.Namespace) -> int:
     else:
         use_cpu_devices(args.devices)
     from ._app import TrainConfig, run
+    from ._app._internal import from_args
 
-    fields = {f for f in TrainConfig.__dataclass_fields__}
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    run(config)
+    run(from_args(TrainConfig, args))
     return 0
 
 
-def _clip_norm(text: str) -> float | None:
-    """`--clip-norm`: a number, `0` or `none` (no clipping, as in nanoGPT)."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (or none)") from None
-    return None if value == 0 else value
-
-
 def _add_train(sub: Any) -> argparse.ArgumentParser:
-    from ._app import TrainConfig
-    from ._cli_report import add_remat_options
-    from .models import PRESETS
+    """Add `equishard train`, its options generated from `TrainCommand`'s fields."""
+    from ._app._internal import TrainCommand, add_options
 
-    d = TrainConfig()
     p = sub.add_parser(
         "train",
         help="train the reference GPT on bytes of the Python standard library",
@@ -115,36 +101,7 @@ def _add_train(sub: Any) -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--config", default=None, metavar="FILE", help="a TOML file of options (any option below, as batch_size = 16 or batch-size = 16); flags given here override it. A run writes its resolved options to <run-dir>/config.toml")
-    add_layout_options(p, default=d.layout)
-    p.add_argument("--model", default=d.model, choices=list(PRESETS), help="model size preset (the registry inspect and plan share; one too large for this machine is refused)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train for")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="sequence length, in bytes")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps, then cosine decay")
-    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: <run-dir>/checkpoints)")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save a checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any layout)")
-    p.add_argument("--resume-step", type=int, default=None, help="continue from this checkpoint step instead of the latest (implies --resume)")
-    p.add_argument("--overwrite", action="store_true", help="start anew in a --run-dir that holds an earlier run: its files (checkpoints included) are moved into <run-dir>/previous-<UTC time>/, nothing is deleted")
-    p.add_argument("--require-verified", action="store_true", help="refuse to resume a checkpoint that carries no checksums (saved with --no-verify-checkpoints); without it such a step is restored with a warning")
-    p.add_argument("--clip-norm", type=_clip_norm, default=d.clip_norm, help="clip the gradient to this global norm; 0 or none: no clipping")
-    p.add_argument("--max-skipped-steps", type=int, default=d.max_skipped_steps, help="stop with an error after this many consecutive steps skipped as non-finite")
-    p.add_argument("--no-verify-checkpoints", dest="verify_checkpoints", action="store_false", help="neither record nor check the arrays' checksums in checkpoints")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation and of the data order")
-    p.add_argument("--run-dir", default=d.run_dir, help="where metrics.jsonl and loss.png go")
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"), help="compute dtype (master weights stay float32)")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="gradient accumulation micro-steps per step")
-    add_remat_options(p)
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate on the validation split every N steps")
-    p.add_argument("--log-every", type=int, default=d.log_every, help="print a step-log line every N steps (step, loss, grad norm, lr, step time, tokens/s, TFLOP/s, MFU, memory)")
-    p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate (ignored on accelerators and under `equishard launch`, which splits its own --devices)")
-    p.add_argument("--sample-bytes", type=int, default=d.sample_bytes, help="bytes of text to generate at the end (0: none)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss-curve PNG")
-    p.add_argument("--profile", default=None, metavar="START:STOP", help="write a jax.profiler trace of steps START to STOP - 1 into <run-dir>/profile (TensorBoard's profile plugin and Perfetto read it), e.g. 10:15")
-    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no TensorBoard events (<run-dir>/tensorboard, written with tensorboardX)")
+    add_options(p, TrainCommand)
     p.set_defaults(run=_train)
     return p
 

@@ -70,29 +70,3 @@ def check_platforms() -> None:
             f"JAX_PLATFORMS={wanted}: this machine has no {', '.join(missing)} backend (it "
             f"has: {', '.join(have)}); unset JAX_PLATFORMS or name one of those."
         )
-
-
-def add_layout_options(parser: argparse.ArgumentParser, *, default: str | None) -> None:
-    """Add `--layout` and the options that go with it (`--sequence-parallel`, `--zero`,
-    `--cp-impl`, `--microbatches`, `--pipeline-repeats`, `--pipeline-schedule`): the
-    fields of `equishard.sharding.Layout`, read back by `layout_from_options`.
-
-    **Arguments:**
-
-    - `parser`: a subcommand's parser (`train`, `inspect`, `plan`).
-    - `default`: the default `--layout`, or `None`: the option is required.
-    """
-    from ._names import CONTEXT_IMPLS, RING, SCHEDULES
-
-    parser.add_argument(
-        "--layout", default=default, required=default is None,
-        help="mesh axes: dp (data), fsdp (fully sharded data), cp (context: the sequence), tp "
-        "(tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2' or 'dp=2,cp=4'; one size "
-        "may be -1 to fill the devices ('fsdp=-1,tp=2')",
-    )  # fmt: skip
-    parser.add_argument("--sequence-parallel", action="store_true", help="split activations over the sequence on tp")
-    parser.add_argument("--zero", action="store_true", help="split the optimizer state over dp, parameters replicated (ZeRO-1: gradients reduce-scattered, parameters all-gathered)")
-    parser.add_argument("--cp-impl", default=RING, choices=CONTEXT_IMPLS, help="attention over a cp axis (the sequence split in zigzag order): ring attention or all-to-all (Ulysses)")
-    parser.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: the pp size)")
-    parser.add_argument("--pipeline-repeats", type=int, default=1, help="stages per device with pp (1: GPipe, more: circular)")
-    parser.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES, help="pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)")

@@ -15,15 +15,13 @@ import argparse
 import dataclasses
 import re
 import time
-from typing import Any, cast
+from typing import Any
 
-from ._cli_base import HelpFormatter, add_layout_options
+from ._app._internal import WIDTH as WIDTH
+from ._cli_base import HelpFormatter
 from ._errors import LayerConfigError, MeshError
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-WIDTH = 120
-"""The columns `inspect` and `plan` fit their output to (`--wide`: no limit)."""
 
 
 def parse_bytes(text: str) -> int:
@@ -46,10 +44,9 @@ def parse_bytes(text: str) -> int:
 def _layout(args: argparse.Namespace) -> Any:
     """The layout the options name, resolved for `--devices` (checked before JAX starts
     any device: a malformed layout fails first)."""
-    from .sharding._internal import LayoutOptions, layout_from_options
+    from ._app._internal import LayoutOptions, from_args, layout_from_options
 
-    options = cast("LayoutOptions", args)  # the flags of `add_layout_options`
-    return layout_from_options(options).resolve(args.devices)
+    return layout_from_options(from_args(LayoutOptions, args)).resolve(args.devices)
 
 
 def _cpu_devices(n: int) -> list:
@@ -86,8 +83,8 @@ def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, 
     report, facts = gpt_report(
         config, layout, batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=make_optimizer(train), clip_norm=train.clip_norm, devices=devices,
-        name=args.model, optimizer_name="AdamW", param_dtype=_DTYPES[args.param_dtype],
-        precision=precision_policy(_DTYPES[args.dtype], _DTYPES[args.param_dtype]),
+        name=args.model, optimizer_name="AdamW", param_dtype=args.param_dtype,
+        precision=precision_policy(args.dtype, args.param_dtype),
     )  # fmt: skip
     return report, facts, layout
 
@@ -262,30 +259,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_remat_options(p: argparse.ArgumentParser) -> None:
-    """`--remat`, `--remat-offload` and `--batch-chunks` (the reference GPT's `remat`,
-    `remat_offload`, `batch_chunks`)."""
-    from .nn import REMAT_POLICIES
-
-    p.add_argument(
-        "--remat", default="none", choices=REMAT_POLICIES,
-        help="what each block keeps for the backward pass: none (everything), full (nothing: "
-        "recompute the block), dots (matrix products), minimal (the projections' outputs), "
-        "minimal_with_context (also the attention context)",
-    )  # fmt: skip
-    p.add_argument(
-        "--remat-offload", action="store_true",
-        help="keep what --remat saves in host memory (GPU/TPU; not on the CPU)",
-    )  # fmt: skip
-    p.add_argument(
-        "--batch-chunks", type=int, default=1, metavar="N",
-        help="run the blocks on the local batch in N equal pieces, one after another (the "
-        "same results; the backward pass works on one piece of a layer at a time: fewer "
-        "temporaries, the same bytes on tp; under fsdp each piece gathers the parameters "
-        "again; not with pp or MoE)",
-    )  # fmt: skip
-
-
 # The step-time model of `plan --device` (the "inspect and plan" guide states its error).
 MATMUL_EFFICIENCY = 0.8
 """Matrix products at 0.8 of the dense peak: a bf16 8192³ product measures 790-800 TFLOP/s
@@ -405,19 +378,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f} us"
 
 
-def _add_dtype_options(p: argparse.ArgumentParser) -> None:
-    """`--dtype`, `--param-dtype` and `--wide`: the step's dtypes and the output's width."""
-    p.add_argument("--dtype", default="float32", choices=tuple(_DTYPES), help="compute dtype (mixed precision, as train --dtype: the step casts the float32 parameters to it, gradients reduced in float32)")
-    p.add_argument("--param-dtype", default="float32", choices=tuple(_DTYPES), help="dtype the parameters and optimizer moments are stored in")
-    p.add_argument("--wide", action="store_true", help=f"print every table at full width (default: fit {WIDTH} columns)")
-
-
-def _device_names() -> list[str]:
-    from .report import DEVICE_PROFILES
-
-    return list(DEVICE_PROFILES)
-
-
 def _model_names() -> list[str]:
     from .models import PRESETS
 
@@ -425,8 +385,10 @@ def _model_names() -> list[str]:
 
 
 def add_report_parsers(sub: Any) -> None:
-    """Add the `inspect` and `plan` subcommands to the `equishard` parser."""
-    names = ", ".join(_model_names())
+    """Add the `inspect` and `plan` subcommands to the `equishard` parser, their options
+    generated from `InspectConfig` and `PlanConfig`."""
+    from ._app._internal import InspectConfig, PlanConfig, add_options
+
     p = sub.add_parser(
         "inspect",
         help="compile the reference GPT's train step under a layout and report its collectives and memory",
@@ -439,23 +401,7 @@ def add_report_parsers(sub: Any) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        default="small",
-        help=(
-            f"model preset: {names}; or your own model as module:factory, where "
-            f"factory(layout) returns a dict with make_model (key -> model; traced for its "
-            f"shapes, never run), loss_fn, batch, batch_spec and optionally optimizer and "
-            f"view, as make_train_step takes them"
-        ),
-    )
-    add_layout_options(p, default="dp=2,fsdp=2,tp=2")
-    p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate; the layout must use them all")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=128, help="sequence length, in tokens")
-    _add_dtype_options(p)
-    add_remat_options(p)
-    p.add_argument("--no-params", dest="params", action="store_false", help="leave out the per-parameter table")
+    add_options(p, InspectConfig)
     p.set_defaults(run=_inspect)
 
     p = sub.add_parser(
@@ -469,14 +415,5 @@ def add_report_parsers(sub: Any) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", required=True, help=f"model preset: {names}")
-    add_layout_options(p, default=None)
-    p.add_argument("--devices", type=int, required=True, help="devices of the mesh (the layout must use them all)")
-    p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the --device's HBM, else 80GiB)")
-    p.add_argument("--device", default=None, choices=sorted(_device_names()), help="the accelerator to estimate the step time and MFU on (peak FLOP/s, HBM, link bandwidth)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: one per data shard and micro-batch)")
-    p.add_argument("--seq-len", type=int, default=2048, help="sequence length, in tokens")
-    _add_dtype_options(p)
-    add_remat_options(p)
+    add_options(p, PlanConfig)
     p.set_defaults(run=_plan, params=True)
-

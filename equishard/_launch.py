@@ -342,7 +342,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def add_launch_parser(sub: Any) -> None:
-    """Register `equishard launch` on the command line's subparsers."""
+    """Register `equishard launch` on the command line's subparsers, its options generated
+    from `LaunchConfig`."""
     p = sub.add_parser(
         "launch",
         help="run a command as several local processes of one JAX multi-process run",
@@ -355,8 +356,7 @@ def add_launch_parser(sub: Any) -> None:
         formatter_class=HelpFormatter,
         usage="equishard launch [-h] [-n N] [--devices DEVICES] [--grace SECONDS] -- COMMAND ...",
     )
-    p.add_argument("-n", "--num-processes", type=int, default=2, help="processes to start")
-    p.add_argument("--devices", type=int, default=8, help="CPU devices to simulate in all, split evenly over the processes")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping the processes")
-    p.add_argument("child", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command each process runs, after `--`")
+    from ._app._internal import LaunchConfig, add_options
+
+    add_options(p, LaunchConfig)
     p.set_defaults(run=_launch)

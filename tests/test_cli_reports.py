@@ -141,11 +141,11 @@ def test_one_preset_registry_and_train_refuses_what_cannot_fit(tmp_path, capsys)
 
 
 def test_train_inspect_and_plan_declare_one_set_of_layout_options():
-    """`--layout` and its options come from one function: the same help, the same
-    choices (the library's constants) in every command that takes a layout."""
+    """`--layout` and its options come from one dataclass (`LayoutOptions`): the same
+    help, the same choices (the library's constants) in every command that takes a layout."""
     import argparse
 
-    from equishard._cli_base import add_layout_options
+    from equishard._app._internal import LayoutOptions, add_options
     from equishard.core import SCHEDULES
     from equishard.sharding import CONTEXT_IMPLS
 
@@ -161,12 +161,22 @@ def test_train_inspect_and_plan_declare_one_set_of_layout_options():
 
             add_report_parsers(sub)
             p = sub.choices[command]
-        names = {"--layout", "--sequence-parallel", "--zero", "--cp-impl", "--microbatches", "--pipeline-repeats", "--pipeline-schedule"}
+        names = {"--layout", "--sequence-parallel", "--zero", "--cp-impl", "--microbatches", "--pipeline-repeats", "--pipeline-schedule", "--axis-roles"}
         return {a.option_strings[-1]: (a.help, a.choices) for a in p._actions if a.option_strings[-1] in names}
 
     reference = argparse.ArgumentParser()
-    add_layout_options(reference, default=None)
+    add_options(reference, LayoutOptions)
     expected = {a.option_strings[-1]: (a.help, a.choices) for a in reference._actions if a.option_strings[-1] != "-h" and a.option_strings[-1] != "--help"}
     assert expected["--cp-impl"][1] == CONTEXT_IMPLS and expected["--pipeline-schedule"][1] == SCHEDULES
     for command in ("train", "inspect", "plan"):
         assert layout_actions(command) == expected, command
+
+
+def test_inspect_reads_a_layout_in_the_users_axis_names(capsys):
+    """`--axis-roles`: the same collectives and analytical minimum as the conventional
+    names, named as the user named the axes."""
+    common = ["inspect", "--model", "tiny", "--seq-len", "32"]
+    named = _run([*common, "--layout", "replica=2,shard=2,model=2", "--axis-roles", "replica=data,shard=fsdp,model=tensor"], capsys)
+    plain = _run([*common, "--layout", "dp=2,fsdp=2,tp=2"], capsys)
+    assert named[0] == plain[0] and "1.000 x the analytical minimum" in named[0]
+    assert any("all-gather      shard" in line for line in named)

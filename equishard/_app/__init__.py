@@ -8,7 +8,16 @@ on is `equishard.train` (the step, the state, checkpoints) and `equishard.shardi
 (`Layout`).
 """
 
-from ._config import TrainConfig as TrainConfig
+from ._config import (
+    CheckpointOptions as CheckpointOptions,
+    DataOptions as DataOptions,
+    LayoutOptions as LayoutOptions,
+    LogOptions as LogOptions,
+    ModelOptions as ModelOptions,
+    OptimizerOptions as OptimizerOptions,
+    StartOptions as StartOptions,
+    TrainConfig as TrainConfig,
+)
 from ._data import (
     ByteCorpus as ByteCorpus,
     get_batch as get_batch,

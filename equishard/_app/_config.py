@@ -1,114 +1,242 @@
-"""Configuration files of `equishard train`: `--config run.toml`, and the resolved
-`config.toml` every run writes to its run directory.
+"""The options of every `equishard` command, one field each, and the run's configuration
+files: `--config run.toml`, and the resolved `config.toml` every run writes to its run
+directory.
 
-A file sets any `TrainConfig` field, spelled as the field (`batch_size`) or as the
-option (`batch-size`); the command line's flags override it. Values are checked for
-their type here and then by the same `check_options` as the flags, so a file and a
-flag are refused with the same message. The resolved file has every option of the run
-(`resume`, `resume_step` left out: they say how a run was started, not what it is), so
-`equishard train --config <run-dir>/config.toml --run-dir new` runs it again.
+Each option is declared once here (see `_options` for the mechanism and how to add an
+option or a command): `equishard train`'s configuration `TrainConfig` is made of the
+sections `LayoutOptions`, `ModelOptions`, `OptimizerOptions`, `DataOptions`,
+`CheckpointOptions`, `LogOptions` and `StartOptions`; `inspect`, `plan` and `launch`
+take `InspectConfig`, `PlanConfig` and `LaunchConfig`. Their parsers and the TOML file
+are generated from these classes.
+
+A file sets any `TrainConfig` option, spelled as the field (`batch_size`) or as the
+flag (`batch-size`), in its section's table (`[data]`) or at the top level (as runs wrote
+it before the sections existed); the command line's flags override it. Values are
+checked for their type here and then by the same `check_options` as the flags, so a file
+and a flag are refused with the same message. The resolved file has every option of the
+run but the `START` ones (`resume`, `resume_step`, `overwrite`: they say how a run was
+started, not what it is), so `equishard train --config <run-dir>/config.toml --run-dir
+new` runs it again.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
 import pathlib
-import tomllib
-import types
-import typing
 from typing import Any
 
+import jax.numpy as jnp
+
 from .._errors import LayerConfigError
-from .._names import RING
+from .._names import CONTEXT_IMPLS, RING, SCHEDULES
+from ..models import PRESETS
+from ..nn import REMAT_POLICIES
+from ..report import DEVICE_PROFILES
+from ..sharding import Layout
+from ._options import (
+    COMPUTATION,
+    LAYOUT,
+    NEUTRAL,
+    START,
+    config_toml as _config_toml,
+    option,
+    option_like,
+    read_toml,
+    resume_changes,
+)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+"""The compute dtypes `--dtype` takes, and the dtype each names."""
+
+
+def parse_clip_norm(text: str) -> float | None:
+    """`--clip-norm`: a number, `0` or `none` (no clipping, as in nanoGPT)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (or none)") from None
+    return None if value == 0 else value
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything `equishard train` takes (its options, one field each).
+class LayoutOptions:
+    """How the devices are used: the fields of `equishard.sharding.Layout`."""
+
+    layout: str = option(
+        "dp=2,fsdp=2,tp=2", resume=LAYOUT,
+        help="mesh axes: dp (data), fsdp (fully sharded data), cp (context: the sequence), tp "
+        "(tensor), ep (expert), pp (pipeline), e.g. 'fsdp=4,tp=2' or 'dp=2,cp=4'; one size "
+        "may be -1 to fill the devices ('fsdp=-1,tp=2')",
+    )  # fmt: skip
+    sequence_parallel: bool = option(False, "split activations over the sequence on tp", resume=LAYOUT)
+    zero: bool = option(False, "split the optimizer state over dp, parameters replicated (ZeRO-1: gradients reduce-scattered, parameters all-gathered)", resume=LAYOUT)
+    cp_impl: str = option(RING, "attention over a cp axis (the sequence split in zigzag order): ring attention or all-to-all (Ulysses)", resume=LAYOUT, choices=CONTEXT_IMPLS)
+    microbatches: int | None = option(None, "pipeline micro-batches per step (default: the pp size)", resume=LAYOUT)
+    pipeline_repeats: int = option(1, "stages per device with pp (1: GPipe, more: circular)", resume=LAYOUT)
+    pipeline_schedule: str | None = option(None, "pipeline schedule with pp (default: gpipe, or circular with --pipeline-repeats > 1)", resume=LAYOUT, choices=SCHEDULES)
+    axis_roles: str = option("", "roles of mesh axes named otherwise than dp, fsdp, cp, tp, ep, pp, e.g. 'replica=data,shard=fsdp,model=tensor' for --layout replica=2,shard=2,model=2 (roles: data, fsdp, context, tensor, expert, pipeline)", resume=LAYOUT, metavar="AXIS=ROLE,...")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """The model, its compute dtype and how its steps keep activations."""
+
+    model: str = option("small", "model size preset (the registry inspect and plan share; one too large for this machine is refused)", resume=COMPUTATION, choices=tuple(PRESETS))
+    dtype: str = option("float32", "compute dtype (master weights stay float32)", resume=COMPUTATION, choices=tuple(DTYPES))
+    remat: str = option(
+        "none", resume=NEUTRAL, choices=REMAT_POLICIES,
+        help="what each block keeps for the backward pass: none (everything), full (nothing: "
+        "recompute the block), dots (matrix products), minimal (the projections' outputs), "
+        "minimal_with_context (also the attention context)",
+    )  # fmt: skip
+    remat_offload: bool = option(False, "keep what --remat saves in host memory (GPU/TPU; not on the CPU)", resume=NEUTRAL)
+    batch_chunks: int = option(
+        1, resume=NEUTRAL, metavar="N",
+        help="run the blocks on the local batch in N equal pieces, one after another (the "
+        "same results; the backward pass works on one piece of a layer at a time: fewer "
+        "temporaries, the same bytes on tp; under fsdp each piece gathers the parameters "
+        "again; not with pp or MoE)",
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOptions:
+    """The updates: AdamW on a warmup-cosine schedule, clipping and the non-finite guard."""
+
+    steps: int = option(200, "optimizer steps to train for", resume=COMPUTATION)
+    lr: float = option(3e-3, "peak learning rate (AdamW)", resume=COMPUTATION)
+    warmup: int = option(20, "linear warmup steps, then cosine decay", resume=COMPUTATION)
+    weight_decay: float = option(0.1, "AdamW's decoupled weight decay (0: none)", resume=COMPUTATION)
+    clip_norm: float | None = option(1.0, "clip the gradient to this global norm; 0 or none: no clipping", resume=COMPUTATION, parse=parse_clip_norm, none_as=0)
+    grad_accum: int = option(1, "gradient accumulation micro-steps per step", resume=COMPUTATION)
+    max_skipped_steps: int = option(10, "stop with an error after this many consecutive steps skipped as non-finite", resume=NEUTRAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+    """The batches: their size and the seed of the initialisation and the data order."""
+
+    batch_size: int = option(16, "global batch, in sequences", resume=COMPUTATION)
+    seq_len: int = option(128, "sequence length, in bytes", resume=COMPUTATION)
+    seed: int = option(0, "seed of the initialisation and of the data order", resume=COMPUTATION)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """Where and how often checkpoints are saved, and how they are verified."""
+
+    checkpoint_dir: str | None = option(None, "where checkpoints go (default: <run-dir>/checkpoints)", resume=NEUTRAL)
+    checkpoint_every: int = option(50, "save a checkpoint every N steps (and at the end)", resume=NEUTRAL)
+    keep_checkpoints: int = option(3, "how many of the latest checkpoints to keep (older ones are deleted)", resume=NEUTRAL)
+    verify_checkpoints: bool = option(True, "neither record nor check the arrays' checksums in checkpoints", resume=NEUTRAL)
+    require_verified: bool = option(False, "refuse to resume a checkpoint that carries no checksums (saved with --no-verify-checkpoints); without it such a step is restored with a warning", resume=NEUTRAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogOptions:
+    """What a run writes and prints besides checkpoints."""
+
+    run_dir: str = option("runs/train", "where metrics.jsonl and loss.png go", resume=NEUTRAL)
+    eval_every: int = option(50, "evaluate on the validation split every N steps", resume=NEUTRAL)
+    eval_batches: int = option(8, "batches of the validation split each evaluation averages over", resume=NEUTRAL)
+    log_every: int = option(10, "print a step-log line every N steps (step, loss, grad norm, lr, step time, tokens/s, TFLOP/s, MFU, memory)", resume=NEUTRAL)
+    sample_bytes: int = option(200, "bytes of text to generate at the end (0: none)", resume=NEUTRAL)
+    progress: bool = option(True, "no progress bar", resume=NEUTRAL)
+    plot: bool = option(True, "no loss-curve PNG", resume=NEUTRAL)
+    tensorboard: bool = option(True, "no TensorBoard events (<run-dir>/tensorboard, written with tensorboardX)", resume=NEUTRAL)
+    profile: str | None = option(None, "write a jax.profiler trace of steps START to STOP - 1 into <run-dir>/profile (TensorBoard's profile plugin and Perfetto read it), e.g. 10:15", resume=NEUTRAL, metavar="START:STOP")
+
+
+@dataclasses.dataclass(frozen=True)
+class StartOptions:
+    """How a run was started: not part of what it is, never saved."""
+
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (any layout)", resume=START)
+    resume_step: int | None = option(None, "continue from this checkpoint step instead of the latest (implies --resume)", resume=START)
+    overwrite: bool = option(False, "start anew in a --run-dir that holds an earlier run: its files (checkpoints included) are moved into <run-dir>/previous-<UTC time>/, nothing is deleted", resume=START)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(StartOptions, LogOptions, CheckpointOptions, DataOptions, OptimizerOptions, ModelOptions, LayoutOptions):
+    """Everything `equishard train` takes (its options, one field each, flat:
+    `config.batch_size`), made of the sections it inherits (layout first).
 
     See `equishard train --help` for each option's meaning and default.
     """
 
-    layout: str = "dp=2,fsdp=2,tp=2"
-    model: str = "small"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
-    weight_decay: float = 0.1
-    clip_norm: float | None = 1.0
-    grad_accum: int = 1
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 3
-    resume: bool = False
-    resume_step: int | None = None
-    overwrite: bool = False
-    require_verified: bool = False
-    max_skipped_steps: int = 10
-    verify_checkpoints: bool = True
-    seed: int = 0
-    run_dir: str = "runs/train"
-    dtype: str = "float32"
-    sequence_parallel: bool = False
-    zero: bool = False
-    cp_impl: str = RING
-    microbatches: int | None = None
-    pipeline_repeats: int = 1
-    remat: str = "none"
-    remat_offload: bool = False
-    batch_chunks: int = 1
-    pipeline_schedule: str | None = None
-    eval_every: int = 50
-    eval_batches: int = 8
-    log_every: int = 10
-    sample_bytes: int = 200
-    progress: bool = True
-    plot: bool = True
-    tensorboard: bool = True
-    profile: str | None = None
+
+@dataclasses.dataclass(frozen=True)
+class TrainCommand(TrainConfig):
+    """`equishard train`'s command line: the run's configuration and the options of the
+    command itself (not part of the run, not saved)."""
+
+    config: str | None = option(None, "a TOML file of options (any option below, as batch_size = 16 or batch-size = 16, at the top level or in its section's table); flags given here override it. A run writes its resolved options to <run-dir>/config.toml", metavar="FILE")
+    devices: int = option(8, "CPU devices to simulate (ignored on accelerators and under `equishard launch`, which splits its own --devices)")
+
+
+WIDTH = 120
+"""The columns `inspect` and `plan` fit their output to (`--wide`: no limit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """What `inspect` and `plan` compile and print (options of the commands, not saved)."""
+
+    devices: int = option(8, "CPU devices to simulate; the layout must use them all")
+    batch_size: int | None = option_like(DataOptions, "batch_size", resume=None)
+    seq_len: int = option_like(DataOptions, "seq_len", help="sequence length, in tokens", resume=None)
+    param_dtype: str = option("float32", "dtype the parameters and optimizer moments are stored in", choices=tuple(DTYPES))
+    wide: bool = option(False, f"print every table at full width (default: fit {WIDTH} columns)")
+
+
+_REPORT_DTYPE = "compute dtype (mixed precision, as train --dtype: the step casts the float32 parameters to it, gradients reduced in float32)"
+
+
+@dataclasses.dataclass(frozen=True)
+class InspectConfig(ReportOptions, ModelOptions, LayoutOptions):
+    """`equishard inspect`: the reference GPT's (or a user's) step, compiled on the
+    simulated devices."""
+
+    model: str = option_like(
+        ModelOptions, "model", choices=None, resume=None,
+        help=f"model preset: {', '.join(PRESETS)}; or your own model as module:factory, where "
+        "factory(layout) returns a dict with make_model (key -> model; traced for its shapes, "
+        "never run), loss_fn, batch, batch_spec and optionally optimizer and view, as "
+        "make_train_step takes them",
+    )  # fmt: skip
+    dtype: str = option_like(ModelOptions, "dtype", help=_REPORT_DTYPE, resume=None)
+    params: bool = option(True, "leave out the per-parameter table")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig(ReportOptions, ModelOptions, LayoutOptions):
+    """`equishard plan`: the step compiled for a virtual mesh of up to thousands of devices."""
+
+    layout: str = option_like(LayoutOptions, "layout", required=True)
+    model: str = option_like(ModelOptions, "model", choices=None, required=True, resume=None, help=f"model preset: {', '.join(PRESETS)}")
+    dtype: str = option_like(ModelOptions, "dtype", help=_REPORT_DTYPE, resume=None)
+    devices: int = option_like(ReportOptions, "devices", required=True, help="devices of the mesh (the layout must use them all)")
+    batch_size: int | None = option_like(ReportOptions, "batch_size", default=None, help="global batch in sequences (default: one per data shard and micro-batch)")
+    seq_len: int = option_like(ReportOptions, "seq_len", default=2048)
+    device_memory: str | None = option(None, "memory of one device, e.g. 80GiB (default: the --device's HBM, else 80GiB)")
+    device: str | None = option(None, "the accelerator to estimate the step time and MFU on (peak FLOP/s, HBM, link bandwidth)", choices=sorted(DEVICE_PROFILES))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """`equishard launch`: several local processes of one JAX multi-process run."""
+
+    num_processes: int = option(2, "processes to start", short="-n")
+    devices: int = option(8, "CPU devices to simulate in all, split evenly over the processes")
+    grace: float = option(5.0, "seconds between SIGTERM and SIGKILL when stopping the processes", metavar="SECONDS")
+    child: tuple[str, ...] = option((), "the command each process runs, after `--`", flag="child", nargs=argparse.REMAINDER, metavar="COMMAND")
 
 
 CONFIG_FILE = "config.toml"
 """The resolved configuration's name in the run directory."""
-
-NOT_SAVED = ("resume", "resume_step", "overwrite")
-# Options that change neither the model, the data order nor the updates.
-_NEUTRAL = {
-    "run_dir", "checkpoint_dir", "resume", "resume_step", "progress", "plot", "log_every",
-    "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "sample_bytes",
-    "verify_checkpoints", "tensorboard", "max_skipped_steps", "remat", "remat_offload",
-    "batch_chunks", "overwrite", "require_verified", "profile",
-}  # fmt: skip
-# Options that change how the same computation is laid out on the devices.
-_LAYOUT = ("layout", "sequence_parallel", "cp_impl", "microbatches", "pipeline_repeats", "pipeline_schedule", "zero")
-
-
-def _field_types() -> dict[str, tuple[type, ...]]:
-    hints = typing.get_type_hints(TrainConfig)
-    out = {}
-    for field in dataclasses.fields(TrainConfig):
-        hint = hints[field.name]
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        out[field.name] = tuple(a for a in args if a is not type(None))
-    return out
-
-
-def _check_type(name: str, value: Any, allowed: tuple[type, ...], path: str) -> Any:
-    option = f"{name} (--{name.replace('_', '-')})"
-    if isinstance(value, bool):
-        if bool in allowed:
-            return value
-    elif isinstance(value, int) and (int in allowed or float in allowed):
-        return float(value) if int not in allowed else value
-    elif isinstance(value, float) and float in allowed:
-        return value
-    elif isinstance(value, str) and str in allowed:
-        return value
-    wanted = " or ".join({bool: "true/false", int: "an integer", float: "a number", str: "a string"}[t] for t in allowed)
-    raise LayerConfigError(f"{path}: {option} must be {wanted}, got {value!r}.")
 
 
 def load_config(path: str | pathlib.Path) -> dict[str, Any]:
@@ -116,12 +244,13 @@ def load_config(path: str | pathlib.Path) -> dict[str, Any]:
 
     **Arguments:**
 
-    - `path`: the file.
+    - `path`: the file (keys spelled `batch_size` or `batch-size`, in their section's
+      table, at the top level as runs wrote them before the sections, or in a `[train]`
+      table).
 
     **Returns:**
 
-    `{field: value}` for every key of the file (keys spelled `batch_size` or
-    `batch-size`; a `[train]` table is read as the top level).
+    `{field: value}` for every key of the file.
 
     **Raises:**
 
@@ -129,62 +258,20 @@ def load_config(path: str | pathlib.Path) -> dict[str, Any]:
     ones) or a value of the wrong type (naming the option). Ranges are checked later,
     with the flags', by `check_options`.
     """
-    path = pathlib.Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise LayerConfigError(f"--config {path}: cannot read it ({err.strerror}).") from None
-    except UnicodeDecodeError as err:
-        raise LayerConfigError(f"--config {path}: not UTF-8 text (byte {err.start}), so not TOML.") from None
-    except tomllib.TOMLDecodeError as err:
-        raise LayerConfigError(f"--config {path}: not valid TOML ({err}).") from None
-    if set(data) == {"train"} and isinstance(data["train"], dict):
-        data = data["train"]
-    types_ = _field_types()
-    out = {}
-    spelled: dict[str, str] = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in types_:
-            known = ", ".join(sorted(types_))
-            raise LayerConfigError(f"--config {path}: unknown option {key!r}; the options are {known}.")
-        if name in spelled:
-            raise LayerConfigError(
-                f"--config {path}: {spelled[name]!r} and {key!r} are the same option; keep one."
-            )
-        spelled[name] = key
-        if name == "clip_norm" and (value == 0 or (isinstance(value, str) and value.lower() == "none")):
-            out[name] = None  # no clipping, as --clip-norm 0 / none
-            continue
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
-            raise LayerConfigError(f"--config {path}: {key} = {value} is too large for any option.")
-        out[name] = _check_type(name, value, types_[name], f"--config {path}")
-    return out
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+    return read_toml(path, TrainConfig)
 
 
 def config_toml(config: TrainConfig) -> str:
-    """The resolved configuration as TOML text (`None` values, which TOML cannot say,
-    and `resume`, `resume_step` left out)."""
-    lines = [
-        "# The resolved options of this run (equishard train). Run it again with",
-        "#   equishard train --config config.toml --run-dir <another directory>",
-    ]
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if field.name == "clip_norm" and value is None:
-            value = 0  # no clipping, as the file says it
-        if value is None or field.name in NOT_SAVED:
-            continue
-        lines.append(f"{field.name} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
+    """The resolved configuration as TOML text, one table per section (`None` values,
+    which TOML cannot say, and the `START` options `resume`, `resume_step`, `overwrite`
+    left out; no clipping written `clip_norm = 0`)."""
+    return _config_toml(
+        config,
+        header=(
+            "The resolved options of this run (equishard train). Run it again with",
+            "  equishard train --config config.toml --run-dir <another directory>",
+        ),
+    )
 
 
 def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[str]:
@@ -201,20 +288,38 @@ def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     ...), and one line announcing a reshard when the layout changed; options that change
     neither (the run directory, logging, checkpoint frequency) are not mentioned.
     """
-    out = []
-    for field in dataclasses.fields(config):
-        name = field.name
-        if name in _NEUTRAL or name in _LAYOUT or name not in saved:
-            continue
-        old, new = saved[name], getattr(config, name)
-        if old != new:
-            out.append(
-                f"warning: --{name.replace('_', '-')} is {new!r}, but the run was started with "
-                f"{old!r}: the resumed steps differ from an uninterrupted run's."
-            )
-    moved = [n for n in _LAYOUT if saved.get(n, getattr(TrainConfig, n)) != getattr(config, n)]
-    if moved:
-        before = ", ".join(f"{n.replace('_', '-')} {saved.get(n, getattr(TrainConfig, n))!r}" for n in moved)
-        after = ", ".join(f"{n.replace('_', '-')} {getattr(config, n)!r}" for n in moved)
-        out.append(f"the layout changed ({before} -> {after}): the checkpoint is resharded to it.")
-    return out
+    return resume_changes(saved, config)
+
+
+def layout_from_options(options: LayoutOptions) -> Layout:
+    """The `Layout` that the layout options of `train`, `inspect` and `plan` name.
+
+    **Arguments:**
+
+    - `options`: the `LayoutOptions` (a `TrainConfig`, `InspectConfig` or `PlanConfig`).
+
+    **Returns:**
+
+    The `Layout` (not yet resolved: `Layout.resolve` checks it).
+    """
+    return Layout(
+        options.layout,
+        sequence_parallel=options.sequence_parallel,
+        num_microbatches=options.microbatches,
+        pipeline_repeats=options.pipeline_repeats,
+        pipeline_schedule=options.pipeline_schedule,
+        cp_impl=options.cp_impl,
+        zero=options.zero,
+        roles=_axis_roles(options.axis_roles),
+    )
+
+
+def _axis_roles(text: str) -> dict[str, str]:
+    """`--axis-roles replica=data,model=tensor` as `{axis: role}` (roles checked by `Layout`)."""
+    roles = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        axis, sep, role = (x.strip() for x in part.partition("="))
+        if not sep or not axis or not role:
+            raise LayerConfigError(f"--axis-roles {text!r}: {part!r} is not AXIS=ROLE (e.g. 'model=tensor').")
+        roles[axis] = role
+    return roles

@@ -48,9 +48,8 @@ from ..models._internal import canonical_path, to_single_device
 from ..nn import remat_policy
 from ..report import DeviceProfile, device_profile
 from ..sharding import ResolvedLayout, filter_shard_map, format_param_table, gather
-from ..sharding._internal import layout_from_options
 from ..train import TrainState, export_model
-from ._config import TrainConfig
+from ._config import DTYPES, TrainConfig, layout_from_options
 from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
 from ._log import (
     Clock,
@@ -67,8 +66,6 @@ from ._rundir import claim, write_atomically
 
 if TYPE_CHECKING:
     from ..train import Checkpointer
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def make_schedule(config: TrainConfig) -> optax.Schedule:

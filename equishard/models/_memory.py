@@ -133,7 +133,10 @@ def gpt_memory(
 
     A `MemoryEstimate`.
     """
-    s = _setting(config, resolve_layout(layout, num_devices), batch_size, seq_len)
+    layout = resolve_layout(layout, num_devices)
+    # Read in the conventional axis names (the same figures: only names change).
+    layout = layout.layout.conventional().resolve(layout.num_devices)
+    s = _setting(config, layout, batch_size, seq_len)
     itemsize = params[0].total_bytes // max(math.prod(params[0].shape), 1) if params else 4
     t = s.tokens / s.microbatches
     scores = _scores(config, t, s.tp, seq_len, s.cp, s.context_impl)

@@ -92,7 +92,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from .._names import RING, differentiated_scan
 from .._text import human_bytes
@@ -597,6 +597,17 @@ def _param_rows(tree: Any, sizes: Mapping[str, int]) -> list[ParamRow]:
     return param_table(tree, AbstractMesh(tuple(sizes.values()), tuple(sizes)))
 
 
+def _renamed(spec: P, names: Mapping[str, str]) -> P:
+    """`spec` with its axes renamed by `names`."""
+
+    def entry(e: Any) -> Any:
+        if isinstance(e, tuple):
+            return tuple(names.get(a, a) for a in e)
+        return names.get(e, e) if isinstance(e, str) else e
+
+    return P(*(entry(e) for e in spec))
+
+
 def gpt_minimum(
     config: GPTConfig,
     layout: Layout | ResolvedLayout,
@@ -625,6 +636,16 @@ def gpt_minimum(
     A `Minimum`.
     """
     layout = resolve_layout(layout, num_devices)
+    if layout.layout.roles:  # the user's axis names: computed in the conventional ones
+        named = layout
+        layout = layout.layout.conventional().resolve(layout.num_devices)
+        back = dict(zip(layout.axes, named.axes))  # conventional -> the user's name
+        if rows is not None:
+            rename = {v: k for k, v in back.items()}
+            rows = [dataclasses.replace(r, spec=_renamed(r.spec, rename)) for r in rows]
+        minimum = gpt_minimum(config, layout, batch_size=batch_size, seq_len=seq_len, rows=rows)
+        terms = tuple(dataclasses.replace(t, axes=tuple(back.get(a, a) for a in t.axes)) for t in minimum.terms)
+        return dataclasses.replace(minimum, terms=terms, description=minimum.description.replace(layout.spec, named.spec))
     s = _setting(config, layout, batch_size, seq_len)
     model = _abstract_gpt(config, layout)
     if rows is None:

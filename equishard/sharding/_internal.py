@@ -8,8 +8,6 @@ from ._fsdp import (
     axis_size_and_bound as axis_size_and_bound,
 )
 from ._layout import (
-    LayoutOptions as LayoutOptions,
-    layout_from_options as layout_from_options,
     resolve_layout as resolve_layout,
 )
 from ._place import is_tracer as is_tracer

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Protocol, runtime_checkable
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -131,6 +130,18 @@ class Layout:
     def __post_init__(self) -> None:
         # Hashable and order-free, however it was given.
         object.__setattr__(self, "roles", tuple(sorted(dict(self.roles).items())))
+
+    def conventional(self) -> "Layout":
+        """This layout with its axes renamed to the conventional names of their roles
+        (`replica=2,model=4` with roles data and tensor: `dp=2,tp=4`), for readers that
+        speak the conventional names (the GPT's analytical minimum)."""
+        names = {role: axis for axis, role in DEFAULT_ROLES.items()}
+        parts = []
+        for part in self.spec.split(","):
+            axis, sep, size = part.partition("=")
+            role = self.role_of().get(axis.strip())
+            parts.append(f"{names[role]}={size}" if sep and role in names else part)
+        return dataclasses.replace(self, spec=",".join(parts), roles=())
 
     def role_of(self) -> dict[str, str]:
         """Each role's mesh axis name, from `roles` over the defaults (unchecked)."""
@@ -315,50 +326,6 @@ class ResolvedLayout:
         JAX's devices)."""
         devices = list(jax.devices() if devices is None else devices)
         return make_mesh(self.axes, devices=devices[: self.num_devices])
-
-
-@runtime_checkable
-class LayoutOptions(Protocol):
-    """What names a layout on the command line and in the application's configuration:
-    the options of `equishard train`, `inspect` and `plan` (parsed flags, or the
-    application's `TrainConfig`)."""
-
-    @property
-    def layout(self) -> str: ...
-    @property
-    def sequence_parallel(self) -> bool: ...
-    @property
-    def microbatches(self) -> int | None: ...
-    @property
-    def pipeline_repeats(self) -> int: ...
-    @property
-    def pipeline_schedule(self) -> str | None: ...
-    @property
-    def cp_impl(self) -> str: ...
-    @property
-    def zero(self) -> bool: ...
-
-
-def layout_from_options(options: LayoutOptions) -> Layout:
-    """The `Layout` that the train, inspect and plan commands' options name.
-
-    **Arguments:**
-
-    - `options`: `LayoutOptions` (parsed flags, or the application's run configuration).
-
-    **Returns:**
-
-    The `Layout` (not yet resolved: `Layout.resolve` checks it).
-    """
-    return Layout(
-        options.layout,
-        sequence_parallel=options.sequence_parallel,
-        num_microbatches=options.microbatches,
-        pipeline_repeats=options.pipeline_repeats,
-        pipeline_schedule=options.pipeline_schedule,
-        cp_impl=options.cp_impl,
-        zero=options.zero,
-    )
 
 
 def resolve_layout(layout: Layout | ResolvedLayout, num_devices: int | None = None) -> ResolvedLayout:
