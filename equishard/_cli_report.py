@@ -70,7 +70,7 @@ def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, 
     """Compile the reference GPT's step for the options (`layout`: resolved already, or
     `None`) and report on it: `(report, facts, layout)`."""
     from ._app import TrainConfig, make_optimizer
-    from .models import gpt_report, precision_policy, preset
+    from .models import abstract_train_step, gpt_report, precision_policy, preset
 
     # An unknown preset fails before JAX starts.
     config = dataclasses.replace(
@@ -80,12 +80,12 @@ def _compile_report(args: argparse.Namespace, layout: Any = None) -> tuple[Any, 
     layout = layout or _layout(args)  # a malformed layout too
     devices = _cpu_devices(args.devices)
     train = TrainConfig()  # the optimizer `equishard train` uses, with its defaults
-    report, facts = gpt_report(
+    step = abstract_train_step(
         config, layout, batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=make_optimizer(train), clip_norm=train.clip_norm, devices=devices,
-        name=args.model, optimizer_name="AdamW", param_dtype=args.param_dtype,
-        precision=precision_policy(args.dtype, args.param_dtype),
+        param_dtype=args.param_dtype, precision=precision_policy(args.dtype, args.param_dtype),
     )  # fmt: skip
+    report, facts = gpt_report(step, name=args.model, optimizer_name="AdamW")
     return report, facts, layout
 
 

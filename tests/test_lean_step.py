@@ -206,11 +206,11 @@ def test_inspect_and_plan_lower_the_step_train_runs_in_bfloat16(monkeypatch):
     assert _collective_dtypes(abstract.lowered.as_text()) == trained
     asked = {}
 
-    def gpt_report(*args, **kwargs):
+    def lower(*args, **kwargs):
         asked.update(kwargs)
         raise _Reported
 
-    monkeypatch.setattr(equishard.models, "gpt_report", gpt_report)
+    monkeypatch.setattr(equishard.models, "abstract_train_step", lower)
     with pytest.raises(_Reported):
         main(["inspect", "--dtype", "bfloat16"])
     assert asked["precision"] == MixedPrecision(jnp.bfloat16)

@@ -55,10 +55,10 @@ def test_small_arrays_follow_fsdp_min_weight_size():
 
 @functools.cache
 def _fsdp8_report():
-    return gpt_report(
+    return gpt_report(abstract_train_step(
         SMALL, Layout("fsdp=8"), batch_size=BATCH, seq_len=SEQ, optimizer=optax.adamw(1e-3),
         clip_norm=1.0,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def test_fsdp8_holds_an_eighth_of_the_parameters_and_optimizer_state():
@@ -229,10 +229,10 @@ MEASURED = GPTConfig(vocab_size=1024, d_model=128, n_heads=4, n_layers=4, d_ff=5
 
 @functools.cache
 def _memory_report(remat: str, n_layers: int):
-    r, _ = gpt_report(
+    r, _ = gpt_report(abstract_train_step(
         dataclasses.replace(MEASURED, remat=remat, n_layers=n_layers), Layout("dp=2,tp=4"), batch_size=8,
         seq_len=128, optimizer=optax.adamw(1e-3), clip_norm=1.0,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert r.memory is not None and r.estimate is not None
     return r.memory, r.estimate
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard._cli import main
 from equishard._cli_report import parse_bytes
-from equishard.models import GPT, PRESETS, gpt_minimum, gpt_report
+from equishard.models import GPT, PRESETS, abstract_train_step, gpt_minimum, gpt_report
 from equishard.nn import FSDP, TransformerBlock
 from equishard.report import (
     axes_of_groups,
@@ -158,10 +158,10 @@ CASES = [  # the pipeline is measured by `inspect` below
 
 @pytest.mark.parametrize("spec, options, config", CASES, ids=[c[0] for c in CASES])
 def test_gpt_bytes_equal_the_minimum_of_equishards_algorithm(spec, options, config):
-    r, facts = gpt_report(
+    r, facts = gpt_report(abstract_train_step(
         config, Layout(spec, **options), batch_size=8, seq_len=32, optimizer=optax.adamw(1e-3),
         clip_norm=1.0,
-    )
+    ))
     assert r.ratio == pytest.approx(1.0, rel=1e-6), str(r)
     # Without a pipeline that is the textbook figure: FSDP's re-gather does not send
     # the tensor-parallel all-reduces again.
@@ -366,7 +366,7 @@ def test_context_parallel_step_sends_its_analytical_minimum(layout, term):
     """Ring (collective-permutes of key/value blocks and their gradients) and all-to-all
     terms, forward and backward, on the cp axis: the compiled step sends the minimum."""
     config = dataclasses.replace(TINY, n_kv_heads=2)
-    r, _ = gpt_report(config, layout, batch_size=8, seq_len=64, optimizer=optax.adamw(1e-3))
+    r, _ = gpt_report(abstract_train_step(config, layout, batch_size=8, seq_len=64, optimizer=optax.adamw(1e-3)))
     assert r.minimum is not None
     terms = [t for t in r.minimum.terms if t.name.startswith(term)]
     assert len(terms) == 1 and terms[0].axes == ("cp",) and terms[0].bytes > 0
@@ -397,7 +397,7 @@ def test_explicit_schedule_step_sends_its_analytical_minimum(spec, schedule):
     """Every explicit schedule, and FSDP beside one (its units gathered once per step,
     reduce-scattered once): the last stage's device sends the minimum, term by term."""
     layout = Layout(spec, num_microbatches=4, pipeline_schedule=schedule)
-    r, _ = gpt_report(TINY, layout, batch_size=8, seq_len=32, optimizer=optax.adamw(1e-3))
+    r, _ = gpt_report(abstract_train_step(TINY, layout, batch_size=8, seq_len=32, optimizer=optax.adamw(1e-3)))
     assert r.minimum is not None and r.ratio is not None
     assert abs(r.ratio - 1) < 1e-3, (r.ratio, str(r))
     if "fsdp" in spec:

@@ -6,53 +6,29 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
-
-import jax.numpy as jnp
-import optax
 
 from .._names import differentiated_scan
 from ..core import pipeline_schedule, schedule_weights
 from ..report import StepReport, report, state_bytes
-from ..sharding import Layout, ResolvedLayout, param_table
-from ..train import Precision
-from ._gpt import GPTConfig
+from ..sharding import param_table
 from ._memory import gpt_memory
 from ._minimum import gpt_minimum
-from ._training import abstract_train_step
+from ._training import AbstractStep
 
 __all__ = ["gpt_report"]
 
 
 def gpt_report(
-    config: GPTConfig,
-    layout: Layout | ResolvedLayout,
-    *,
-    batch_size: int,
-    seq_len: int,
-    optimizer: optax.GradientTransformation,
-    clip_norm: float | None = None,
-    devices: list | None = None,
-    name: str | None = None,
-    optimizer_name: str | None = None,
-    precision: Precision | None = None,
-    param_dtype: Any = jnp.float32,
+    step: AbstractStep, *, name: str | None = None, optimizer_name: str | None = None
 ) -> tuple[StepReport, dict[str, float]]:
-    """Compile the reference GPT's train step for `layout` and report on it.
+    """Compile the reference GPT's train step and report on it.
 
     **Arguments:**
 
-    - `config`: the model's `GPTConfig`.
-    - `layout`: the `Layout` (or one already resolved).
-    - `batch_size`, `seq_len`: the global batch in sequences, and their length.
-    - `optimizer`, `clip_norm`: the optimizer and clipping norm of the step (see
-      `abstract_train_step`).
-    - `devices`: the devices of the mesh (default: all of JAX's devices).
+    - `step`: the step, lowered from shapes (`abstract_train_step(config, layout, ...)`:
+      the model, the layout, the batch, the optimizer and the precision in one value).
     - `name`, `optimizer_name`: the model's and the optimizer's names for the
       description line.
-    - `precision`, `param_dtype`: the step's precision policy and the parameters' dtype
-      (see `abstract_train_step`; `precision_policy` makes the policy `equishard train`,
-      `inspect` and `plan` use from their `--dtype`).
 
     **Returns:**
 
@@ -61,11 +37,7 @@ def gpt_report(
     `state_bytes` (parameters and optimizer state per device by their specs: the
     analytical figure to set beside the compiler's argument bytes) and `parameters`.
     """
-    step = abstract_train_step(
-        config, layout, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-        clip_norm=clip_norm, devices=devices, precision=precision, param_dtype=param_dtype,
-    )  # fmt: skip
-    compute_dtype = param_dtype if precision is None or precision.compute_dtype is None else precision.compute_dtype
+    config, batch_size, seq_len = step.config, step.batch_size, step.seq_len
     start = time.perf_counter()
     compiled = step.lowered.compile()
     compile_seconds = time.perf_counter() - start
@@ -81,7 +53,7 @@ def gpt_report(
         + f", d_ff {config.d_ff}, vocabulary "
         f"{config.vocab_size}); layout {step.layout.spec} on {step.mesh.devices.size} "
         f"{step.mesh.devices.flat[0].platform.upper()} devices; batch {batch_size} x "
-        f"{seq_len} tokens; {jnp.dtype(compute_dtype).name} compute, {jnp.dtype(param_dtype).name} "
+        f"{seq_len} tokens; {step.compute_dtype.name} compute, {step.param_dtype.name} "
         f"parameters"
     ) + (f"; {optimizer_name}" if optimizer_name else "")
     resolved = step.layout

@@ -205,6 +205,8 @@ class AbstractStep:
     - `config`, `layout`, `batch_size`, `seq_len`: what was asked for (the layout
       resolved).
     - `lower_seconds`: the time tracing and lowering took.
+    - `compute_dtype`, `param_dtype`: the dtype the loss computes in (the precision
+      policy's) and the parameters'.
     """
 
     lowered: Any
@@ -215,6 +217,8 @@ class AbstractStep:
     batch_size: int
     seq_len: int
     lower_seconds: float
+    compute_dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
 
 
 def abstract_train_step(
@@ -272,6 +276,8 @@ def abstract_train_step(
     else:
         batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=sharding)
     lowered = lower_from_shapes(training.step, state, batch)
+    compute = training.step.precision.compute_dtype
     return AbstractStep(
-        lowered, state, mesh, config, resolved, batch_size, seq_len, time.perf_counter() - start
-    )
+        lowered, state, mesh, config, resolved, batch_size, seq_len, time.perf_counter() - start,
+        compute_dtype=jnp.dtype(param_dtype if compute is None else compute), param_dtype=jnp.dtype(param_dtype),
+    )  # fmt: skip
