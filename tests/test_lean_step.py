@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import PartitionSpec as P
 
 import equishard.models
 from equishard import LayerConfigError
@@ -243,3 +244,40 @@ def test_mixed_precision_on_a_layout_follows_one_device():
 def test_a_bad_precision_option_is_refused(options, match):
     with pytest.raises(LayerConfigError, match=match):
         MixedPrecision(**options)
+
+
+def test_a_float32_batch_trains_under_mixed_precision_in_both_views():
+    """A conv net fed float32 images, its loss written as on one device (no pmean, no
+    cast): under MixedPrecision(bfloat16) the step casts the floating batch with the
+    model (`cast_batch`, the default) in the local and the global view, and the losses
+    follow the float32 one-device curve within bfloat16's 1e-2 (with `cast_batch=False`
+    the conv refuses float32 images beside bfloat16 weights)."""
+    import equishard as es
+
+    net = lambda k: eqx.nn.Sequential([  # noqa: E731
+        eqx.nn.Conv2d(3, 8, 3, padding=1, key=jax.random.fold_in(k, 0)),
+        eqx.nn.Lambda(jax.nn.relu),
+        eqx.nn.Lambda(lambda x: jnp.mean(x, axis=(1, 2))),
+        eqx.nn.Linear(8, 1, key=jax.random.fold_in(k, 1)),
+    ])
+    images = jax.random.normal(jax.random.key(1), (16, 3, 8, 8))  # float32
+    targets = jax.random.normal(jax.random.key(2), (16, 1))
+
+    def loss_fn(model, batch, key):
+        x, y = batch
+        out = jax.vmap(es.unbox(model))(x)
+        return jnp.mean((out.astype(jnp.float32) - y.astype(jnp.float32)) ** 2), {}
+
+    def curve(spec, view, precision):
+        mesh = es.make_mesh(spec, devices=jax.devices()[: 1 if spec == "dp=1" else 8])
+        step = make_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, batch_spec=P("dp"), view=view, precision=precision)
+        state = step.init_state(net, jax.random.key(0))
+        out = []
+        for _ in range(3):
+            state, metrics = step(state, (images, targets))
+            out.append(float(metrics["loss"]))
+        return out
+
+    reference = curve("dp=1", "local", None)
+    for view in ("local", "global"):
+        np.testing.assert_allclose(curve("dp=8", view, MixedPrecision(jnp.bfloat16)), reference, rtol=1e-2)

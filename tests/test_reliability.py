@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import equishard as es
-from equishard.train import Checkpointer, init_train_state, make_train_step
+from equishard.train import Checkpointer, make_train_step
 from equishard.train._checkpoint import FAULT_ENV, probe_writable
 from equishard.train._format import FORMAT_VERSION, checksums
 
@@ -568,22 +568,33 @@ def test_collectives_on_an_unbound_axis_name_it(name):
     )
 
 
-def test_a_loss_not_reduced_over_the_data_axes_is_explained():
+def test_a_loss_written_as_on_one_device_is_averaged_by_the_step():
+    """The local mean, never pmean-ed (one loss for both views): the step averages it
+    over the data axes it varies over; the same losses and parameters as the pmean-ed
+    loss and as one device."""
     import optax
 
     mesh = es.make_mesh("dp=4,tp=2")
-    model = es.shard(es.Sharded(jnp.ones((4, 4)), P()), mesh)
+    batch = jax.random.normal(jax.random.key(1), (8, 4))
+    w = jax.random.normal(jax.random.key(2), (4, 4))
 
-    def local_loss(model, batch, key):  # the local mean, never pmean-ed
-        return jnp.mean((batch @ model.value) ** 2), {}
+    def local_loss(model, batch, key):  # the local mean, as on one device
+        return jnp.mean((batch @ model.value) ** 2), {"first": jnp.mean(batch[:, 0])}
 
-    step = make_train_step(local_loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
-    state = init_train_state(lambda k: model, optax.sgd(0.1), jax.random.key(0), mesh=mesh)
-    with pytest.raises(es.ConventionError) as info:
-        step(state, jnp.ones((8, 4)))
-    message = str(info.value)
-    assert "varies over the data axes 'dp'" in message and "jax.lax.pmean(loss, 'dp')" in message
-    assert "check_vma" not in message
+    def global_loss(model, batch, key):
+        loss, metrics = local_loss(model, batch, key)
+        return jax.lax.pmean(loss, "dp"), jax.lax.pmean(metrics, "dp")
+
+    results = []
+    for loss_fn, m in ((local_loss, mesh), (global_loss, mesh), (local_loss, es.make_mesh("dp=1", devices=jax.devices()[:1]))):
+        step = make_train_step(loss_fn, optax.sgd(0.1), mesh=m, batch_spec=P("dp"))
+        state = step.init_state(lambda k: es.Sharded(w, P()), jax.random.key(0))
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        results.append((float(metrics["loss"]), float(metrics["first"]), np.asarray(state.model.value)))
+    for other in results[1:]:
+        assert abs(other[0] - results[0][0]) <= 1e-6 * abs(results[0][0]) and abs(other[1] - results[0][1]) <= 1e-6
+        assert np.linalg.norm(other[2] - results[0][2]) <= 1e-6 * np.linalg.norm(results[0][2])
 
 
 def test_a_layer_whose_weight_was_not_split_says_so():

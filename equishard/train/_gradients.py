@@ -65,7 +65,7 @@ def value_and_grad(
     """`(model_state, (loss, metrics, grads))` of one batch, `grads` of `model`'s floats."""
 
     def loss(model: PyTree, batch: PyTree, key: PRNGKeyArray, index: Any) -> Any:
-        return adapter(precision.compute(model), batch, key, index, model_state)
+        return adapter(precision.compute(model), precision.batch(batch), key, index, model_state)
 
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
     (value, (metrics, model_state)), grads = grad_fn(model, batch, key, index)
@@ -188,24 +188,6 @@ def check_no_mean_grads(model: PyTree) -> None:
         )
 
 
-def check_global_loss(loss: Array, data_axes: tuple[str, ...]) -> None:
-    """Raise if the loss varies over the data axes: a local loss where the global one is due.
-
-    Differentiating each device's own loss would give replicated parameters a gradient
-    summed over the data axes instead of the single-device one.
-    """
-    varying: list[str] = [a for a in data_axes if a in varying_axes(loss)]
-    if varying:
-        names: str | tuple[str, ...] = tuple(varying) if len(varying) > 1 else varying[0]
-        raise ConventionError(
-            f"make_train_step: loss_fn returned a loss that varies over the data axes "
-            f"{names!r}: each device's own loss, not the global one. Return the global "
-            f"loss, the local mean averaged over the data axes "
-            f"(`jax.lax.pmean(loss, {names!r})`), so that the gradients equal the "
-            f"single-device gradients (see the training guide)."
-        )
-
-
 def gradient_specs(model: PyTree) -> PyTree:
     """The out_specs of the gradients of `model`: the parameters' own specs.
 
@@ -293,7 +275,6 @@ def local_gradients(
             pending = None
         model_state, (loss, metrics, grads) = result
         grads = _reduce_pending(layout, grads, pending, precision.reduce_dtype)
-    check_global_loss(loss, data_axes)
     model_state = settle_state(model_state, data_axes, adapter.batch_norm_axes == ())
     return loss, metrics, global_norm(grads), grads, model_state
 

@@ -148,6 +148,21 @@ def batch_axis(batch_spec: P | PyTree) -> str | tuple[str, ...] | None:
     return entries.pop() if entries else None
 
 
+def data_mean(x: PyTree, data_axes: tuple[str, ...]) -> PyTree:
+    """Each floating array of `x` averaged over the data axes it varies over (inside
+    `shard_map`, under the varying-axes check): a loss written as on one device, the mean
+    over its own batch, becomes the mean over the devices' equal shards, the global loss.
+    A value already global (invariant over them) is returned as it is."""
+
+    def mean(leaf: Any) -> Any:
+        if not eqx.is_inexact_array(leaf):
+            return leaf
+        axes = tuple(a for a in data_axes if a in varying_axes(leaf))
+        return jax.lax.pmean(leaf, axes) if axes else leaf
+
+    return jax.tree.map(mean, x)
+
+
 def _clone(state: eqx.nn.State) -> eqx.nn.State:
     """A new `eqx.nn.State` object of the same arrays (`State.set` invalidates the old one,
     and the step may call the loss function more than once with the state it holds)."""
@@ -166,10 +181,17 @@ class LossAdapter:
       over the batch, inside `shard_map` (every `eqx.nn.BatchNorm` is called as a
       `SyncBatchNorm` over them; `()`: each device's examples); `None` (the global
       view): the model's layers as they are.
+    - `data_axes`: inside `shard_map`, the batch's axes: a loss and metrics that vary
+      over them (written as on one device) are averaged over them (`data_mean`); `()`
+      in the global view.
     """
 
-    def __init__(self, loss_fn: LossFn, batch_spec: P | PyTree, batch_norm_axes: tuple[str, ...] | None = None):
+    def __init__(
+        self, loss_fn: LossFn, batch_spec: P | PyTree, batch_norm_axes: tuple[str, ...] | None = None,
+        data_axes: tuple[str, ...] = (),
+    ):
         self.loss_fn = loss_fn
+        self.data_axes = data_axes
         self.with_index = takes_index(loss_fn)
         self.batch_axis = batch_axis(batch_spec) if self.with_index else None
         self.batch_norm_axes = batch_norm_axes
@@ -194,11 +216,12 @@ class LossAdapter:
         kwargs = {"index": index} if self.with_index else {}
         if model_state is None:
             loss, metrics = check_loss_output(self.loss_fn(model, batch, key, **kwargs))
-            return loss, (metrics, None)
+            return data_mean(loss, self.data_axes), (data_mean(metrics, self.data_axes), None)
         if self.batch_norm_axes is not None:
             model = sync_batch_norms(model, self.batch_norm_axes)
         out = self.loss_fn(model, _clone(model_state), batch, key, **kwargs)
         loss, metrics, new_state = check_stateful_output(out, model_state)
+        loss, metrics = data_mean((loss, metrics), self.data_axes)
         # Each array typed as the state given (varying over the same axes), so that the
         # micro-steps' carry keeps its type.
         new_state = jax.tree.map(lambda new, old: cast_varying(new, varying_axes(old)), new_state, model_state)

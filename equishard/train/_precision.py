@@ -54,6 +54,10 @@ class Precision(eqx.Module):
         """The model the loss function sees (inside the differentiated function)."""
         return model
 
+    def batch(self, batch: PyTree) -> PyTree:
+        """The batch the loss function sees."""
+        return batch
+
     def gradients(self, grads: PyTree) -> PyTree:
         """The gradients the step goes on with."""
         return grads
@@ -95,6 +99,10 @@ class MixedPrecision(Precision):
     - `gather_dtype`: the dtype FSDP gathers in (`None`: `compute_dtype`).
     - `reduce_dtype`: the dtype gradients are reduced in (`None`: float32, as torch
       FSDP2's `reduce_dtype` default under mixed precision).
+    - `cast_batch`: cast the batch's floating arrays (images, float features, a time
+      embedding's input) to `compute_dtype` too, as the model's layers expect inputs of
+      their own dtype (default); `False`: the loss function gets the batch as it is and
+      casts what it wants itself. Integer arrays (token ids, labels, masks) are never cast.
     - `data_axes`: set by the train step (`bind`): the axes FSDP shards are split over.
 
     **Raises:**
@@ -103,11 +111,12 @@ class MixedPrecision(Precision):
     """
 
     dtypes: tuple[Any, Any, Any] = eqx.field(static=True)
+    cast_batch: bool = eqx.field(static=True)
     data_axes: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(
         self, compute_dtype: Any, gather_dtype: Any = None, reduce_dtype: Any = None, *,
-        data_axes: tuple[str, ...] = (),
+        cast_batch: bool = True, data_axes: tuple[str, ...] = (),
     ):
         compute = _floating("compute_dtype", compute_dtype)
         if compute is None:
@@ -119,10 +128,18 @@ class MixedPrecision(Precision):
         reduce = _floating("reduce_dtype", reduce_dtype)
         reduce = jnp.dtype(jnp.float32) if reduce is None else reduce
         self.dtypes = (compute, compute if gather is None else gather, reduce)
+        self.cast_batch = cast_batch
         self.data_axes = tuple(data_axes)
 
     def bind(self, data_axes: tuple[str, ...]) -> "MixedPrecision":
-        return MixedPrecision(*self.dtypes, data_axes=data_axes)
+        return MixedPrecision(*self.dtypes, cast_batch=self.cast_batch, data_axes=data_axes)
+
+    def batch(self, batch: PyTree) -> PyTree:
+        """The batch with its floating arrays in `compute_dtype` (with `cast_batch`;
+        integer arrays, token ids and masks, as they are)."""
+        if not self.cast_batch:
+            return batch
+        return jax.tree.map(lambda x: x.astype(self.compute_dtype) if eqx.is_inexact_array(x) else x, batch)
 
     @property
     def compute_dtype(self) -> Any:

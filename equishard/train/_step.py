@@ -84,7 +84,7 @@ class _Parts:
         # Batch norms inside `shard_map` take their statistics over the data axes too
         # (or this device's examples); in the global view the vmap spans the whole batch.
         norm_axes = None if view == "global" else (self.data_axes if batch_stats == "global" else ())
-        self.adapter = LossAdapter(loss_fn, batch_spec, norm_axes)
+        self.adapter = LossAdapter(loss_fn, batch_spec, norm_axes, self.data_axes if view == "local" else ())
         self.optimizer = optimizer
         self.update = traced_once(optimizer.update)
         self.all_finite = all_finite(mesh)
@@ -403,8 +403,15 @@ def make_train_step(
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, batch, key) -> (loss, metrics)`, called in the local
-      view. `loss` must be the global loss (the local mean `pmean`-ed over the data
-      axes); `metrics` a dict of global scalars (aux losses, dropped tokens, ...).
+      view, written as on one device: `loss` the mean over the batch it is given,
+      `metrics` a dict of scalars (aux losses, dropped tokens, ...). A loss and metrics
+      that vary over the data axes (each device's mean over its own examples) are
+      averaged over them by the step, inside the differentiated function: the mean of
+      equal shards' means, the one-device value. A loss that is already global
+      (`pmean`-ed by the function, or a token-weighted mean the function computed over
+      all devices, as the GPT's masked loss must) is taken as it is. The same function
+      serves both views. (With `shard_map`'s varying-axes check off nothing tells a
+      local value from a global one: return the global loss.)
       A loss function with a keyword `index`, `loss_fn(model, batch, key, *, index)`,
       is also given `int32[B_local]`, the global indices of its local examples (in the
       step's whole batch, whatever the micro-batch), and always the step's key: per-
