@@ -30,6 +30,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
@@ -129,7 +130,7 @@ class FSDP(eqx.Module):
         parameters are whole at a time; with `regather` the backward pass gathers
         them again after the layer's output cotangent arrives.
         """
-        operands = (self.module, args, kwargs)
+        operands = _without_tangents((self.module, args, kwargs))
         return _call_unit_once_per_batch(operands, self._call_unit)
 
     def gathered(self) -> "_GatheredUnit":
@@ -174,6 +175,32 @@ class _GatheredUnit(eqx.Module):
             lambda m, a, k: m(*a, **k), policy=save_collectives_except(self.axis_name)
         )
         return call(self.module, args, kwargs)
+
+
+def _without_tangents(tree: PyTree) -> PyTree:
+    """`tree` with its integer and boolean arrays cut from differentiation.
+
+    Such an array has no gradient, but one computed from differentiated values (a batch
+    norm's step counter, updated by an earlier layer under the step's `jax.vjp` and
+    returned by an earlier unit) may carry an instantiated zero tangent, which the
+    unit's custom gradient (`eqx.filter_custom_vjp`) refuses for its non-differentiated
+    inputs. A conversion to the unsigned type of the same width and back (exact, bit for
+    bit) has a symbolic zero tangent.
+    """
+
+    def cut(x: Any) -> Any:
+        if not eqx.is_array(x) or eqx.is_inexact_array(x):
+            return x
+        dtype = x.dtype
+        if dtype == jnp.bool_:
+            return x.astype(jnp.uint8).astype(dtype)
+        if jnp.issubdtype(dtype, jnp.signedinteger):
+            return x.astype(jnp.dtype(f"uint{dtype.itemsize * 8}")).astype(dtype)
+        if jnp.issubdtype(dtype, jnp.unsignedinteger):
+            return x.astype(jnp.dtype(f"int{dtype.itemsize * 8}")).astype(dtype)
+        return x  # a key array: its tangent is not instantiated by JAX's rules
+
+    return jax.tree.map(cut, tree)
 
 
 def _call_unit_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
