@@ -89,14 +89,14 @@ class Mamba(eqx.Module):
         dt, B, C = jnp.split(jax.vmap(self.x_proj)(x), [self.rank, self.rank + self.state], axis=-1)
         dt = jax.nn.softplus(jax.vmap(self.dt_proj)(dt))  # f32[S, E]
         A = -jnp.exp(self.A_log)  # f32[E, N]
-        decay = jnp.exp(dt[:, :, None] * A)  # f32[S, E, N]
+        decay = jnp.exp(dt[:, :, None] * A[None])  # f32[S, E, N]
         drive = (dt * x)[:, :, None] * B[:, None, :]  # f32[S, E, N]
 
         def combine(a, b):  # (decay, state) pairs: a before b
             return a[0] * b[0], b[0] * a[1] + b[1]
 
         _, h = jax.lax.associative_scan(combine, (decay, drive))  # f32[S, E, N]
-        y = jnp.einsum("sen,sn->se", h, C) + self.D * x
+        y = jnp.einsum("sen,sn->se", h, C) + self.D[None] * x
         return jax.vmap(self.out_proj)(y * jax.nn.silu(z))
 
 
