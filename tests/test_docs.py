@@ -75,8 +75,10 @@ AS_USERS = {"inspect_and_plan.py"}
 
 
 @functools.cache
+@functools.cache
 def run_example(name: str) -> str:
-    """Run `docs/examples/<name>` as `__main__`; return what it printed."""
+    """Run `docs/examples/<name>` as `__main__`; return what it printed (once per process:
+    a page's output test and the example's own test read the same run)."""
     if name in AS_USERS:
         env = dict(os.environ, XLA_FLAGS=os.environ["TESTS_USERS_XLA_FLAGS"])
         argv = [sys.executable, str(EXAMPLES / name)]
