@@ -228,3 +228,15 @@ def test_a_unit_around_units_gathers_only_its_own_parameters():
     jax.eval_shape(es.filter_shard_map(gathered, mesh=mesh, out_specs=P()), model)
     assert inner.spec == P("fsdp", None)
     assert seen == [((V, D), (4 * D // 8, D))]
+
+
+def test_a_plan_for_a_convolution_names_the_path_rule_route():
+    class Net(eqx.Module):
+        conv: eqx.nn.Conv2d
+
+        def __init__(self, *, key):
+            self.conv = eqx.nn.Conv2d(3, 8, 3, key=key)
+
+    with pytest.raises(es.LayerConfigError, match=r"`conv` \(Conv2d\).*no style for a convolution") as info:
+        es.parallelize(Net(key=jax.random.key(0)), {"conv": "column"}, es.make_mesh("dp=4,tp=2"))
+    assert "path rules" in str(info.value) and 'view="global"' in str(info.value)
