@@ -49,7 +49,7 @@ PAGES = {
     "inspect-and-plan.md": ("inspect_and_plan.py",),
     "train-output.md": ("train_output.py",),
     "long-sequences.md": ("long_sequences.py",),
-    "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py"),
+    "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py", "your_own_conv_and_scan.py"),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -75,8 +75,10 @@ AS_USERS = {"inspect_and_plan.py"}
 
 
 @functools.cache
+@functools.cache
 def run_example(name: str) -> str:
-    """Run `docs/examples/<name>` as `__main__`; return what it printed."""
+    """Run `docs/examples/<name>` as `__main__`; return what it printed (once per process:
+    a page's output test and the example's own test read the same run)."""
     if name in AS_USERS:
         env = dict(os.environ, XLA_FLAGS=os.environ["TESTS_USERS_XLA_FLAGS"])
         argv = [sys.executable, str(EXAMPLES / name)]
@@ -367,6 +369,20 @@ def test_your_own_cnn_with_batch_norm_and_vit_under_a_plan():
     vit_one, vit_tp = floats(rows["one device"].split(" losses ")[1]), floats(rows["dp=4,tp=2"].split(" losses ")[1])
     for a, b in zip(vit_tp, vit_one, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b) + 1e-6, (vit_tp, vit_one)
+
+
+def test_your_own_conv_net_and_scan_model_by_path_rules():
+    out = run_example("your_own_conv_and_scan.py")
+    rows = {line[:21].strip(): floats(line.split(" losses ")[1].split(" max")[0]) for line in out.splitlines() if " losses " in line}
+    layouts = ("one device", "dp=8", "fsdp=8", "fsdp=4,tp=2")
+    assert set(rows) == {f"{model:8} {layout}" for model in ("conv net", "mamba") for layout in layouts}
+    for name, losses in rows.items():  # dp, fsdp and tp by path rules: the one-device losses
+        reference = rows[name[:8] + " one device"]
+        for a, b in zip(losses, reference, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b) + 1e-6, (name, losses, reference)
+    assert "conv.weight      (64, 1, 4) P('tp', None, None) per device (32, 1, 4)" in out
+    assert "parallelize has no style for a convolution: split its channels by path rules" in out
+    assert "The plan leaves the convolution(s) `blocks[0].conv` (Conv1d, 64 channels, groups=64)" in out
 
 
 def test_coming_from():

@@ -26,15 +26,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._axes import vmap_names
+from .._axes import is_bound, vmap_names
 from .._errors import LayerConfigError
 from .._warn import warn
 from ..sharding import (
@@ -79,6 +80,12 @@ class FSDP(eqx.Module, GathersFSDP):
       rule, `shard_params`, as `shard_module_params` uses).
     - `mesh`: outside `shard_map`, the mesh whose `axis_name` size decides divisibility
       (default: the ambient mesh, which `sharded_init` sets).
+    - `path`: where the unit sits in the model (`fsdp_wrap` sets it), for the messages.
+
+    An attribute of the wrapped module read through the unit (`model.embed.weight`, the
+    unit at `embed`) is refused with a `LayerConfigError` naming its path: outside the
+    unit's call the parameters are this device's blocks. A tied head reads the weight
+    inside a unit that holds both (see the "Your own model" guide).
     """
 
     module: PyTree
@@ -87,6 +94,8 @@ class FSDP(eqx.Module, GathersFSDP):
     grad_scatter_dtype: Any = eqx.field(static=True)
     regather: bool = eqx.field(static=True)
     mean_grads: bool = eqx.field(static=True)
+    path: str = eqx.field(static=True)
+    __fsdp_unit__: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -100,6 +109,7 @@ class FSDP(eqx.Module, GathersFSDP):
         mean_grads: bool = False,
         split_rule: str = "fsdp",
         mesh: Mesh | AbstractMesh | None = None,
+        path: str = "",
     ):
         _check_dtype("gather_dtype", gather_dtype)
         _check_dtype("grad_scatter_dtype", grad_scatter_dtype)
@@ -114,10 +124,33 @@ class FSDP(eqx.Module, GathersFSDP):
         self.grad_scatter_dtype = grad_scatter_dtype
         self.regather = regather
         self.mean_grads = mean_grads
+        self.path = path
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the unit itself lacks: an attribute of the wrapped module read
+        # through the unit (a tied head's `embed.weight`) is refused by its path.
+        module = self.__dict__.get("module")
+        if name.startswith("__") or module is None or not hasattr(module, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise _ThroughUnitError(_through_unit_message(self.path, module, name, self.axis_name))
 
     def __unbox__(self) -> PyTree:
-        """The wrapped module, for `equishard.unbox` (its arrays still in their boxes)."""
-        return self.module
+        """The wrapped module, for `equishard.unbox` (its arrays still in their boxes).
+
+        Inside `shard_map` with `axis_name` bound (the local view), the module with its
+        parameters all-gathered (`gathered`'s gather: the gradients reduce-scattered),
+        so that `unbox(model)(x)` computes with the global parameters, as in the global
+        view, not with this device's blocks of them. The gathered parameters then stay
+        whole until the last use, every unbox-ed unit at once: call the model itself
+        (`model(x)`) to gather one unit at a time.
+        """
+        if not is_bound(self.axis_name):
+            return self.module
+        # f32[.., K/fsdp, ..] -> f32[.., K, ..] for each split array
+        return fsdp_gather_params(
+            self.module, self.axis_name, self.gather_dtype, self.grad_scatter_dtype,
+            mean_grads=self.mean_grads, skip_units=True,
+        )  # fmt: skip
 
     def _config(self) -> _GatherConfig:
         return _GatherConfig(self.axis_name, self.gather_dtype, self.grad_scatter_dtype, self.mean_grads)
@@ -129,7 +162,7 @@ class FSDP(eqx.Module, GathersFSDP):
         parameters are whole at a time; with `regather` the backward pass gathers
         them again after the layer's output cotangent arrives.
         """
-        operands = (self.module, args, kwargs)
+        operands = _without_tangents((self.module, args, kwargs))
         return _call_unit_once_per_batch(operands, self._call_unit)
 
     def gathered(self) -> "_GatheredUnit":
@@ -146,7 +179,7 @@ class FSDP(eqx.Module, GathersFSDP):
         """
         module = fsdp_gather_params(
             self.module, self.axis_name, self.gather_dtype, self.grad_scatter_dtype,
-            mean_grads=self.mean_grads,
+            mean_grads=self.mean_grads, skip_units=True,
         )  # fmt: skip
         return _GatheredUnit(module, self.axis_name, self.regather)
 
@@ -154,6 +187,27 @@ class FSDP(eqx.Module, GathersFSDP):
         if self.regather:
             return _call_regathering(operands, self._config())
         return self._config().call(operands, operands[1:])
+
+
+class _ThroughUnitError(LayerConfigError, AttributeError):
+    """An attribute of an FSDP unit's module read through the unit (also an
+    `AttributeError`, so `hasattr` and `getattr(..., default)` keep their meaning)."""
+
+
+def _through_unit_message(path: str, module: Any, name: str, axis_name: str) -> str:
+    where = f"`{path}`" if path else "this FSDP unit"
+    full = f"{path}.{name}" if path else name
+    return (
+        f"`{full}`: {where} is an FSDP unit (wrapping {type(module).__name__}) whose "
+        f"parameters are split over {axis_name!r} and gathered only inside its own call, "
+        f"so `{name}` cannot be read through it: outside that call it would be this "
+        f"device's block. To share a weight (a tied head reading the embedding's), wrap "
+        f"the module that reads it instead, so that the weight is gathered with it: "
+        f"`fsdp_wrap(model, policy=lambda path, m: path == \"\")` for the whole model, "
+        f"or wrap the repeated blocks first and the model around them with "
+        f"`equishard.nn.FSDP(model)` (see the \"Your own model\" guide, \"Tied weights\"). "
+        f"(The stored block is `{path + '.' if path else ''}module.{name}`.)"
+    )
 
 
 class _GatheredUnit(eqx.Module):
@@ -174,6 +228,32 @@ class _GatheredUnit(eqx.Module):
             lambda m, a, k: m(*a, **k), policy=save_collectives_except(self.axis_name)
         )
         return call(self.module, args, kwargs)
+
+
+def _without_tangents(tree: PyTree) -> PyTree:
+    """`tree` with its integer and boolean arrays cut from differentiation.
+
+    Such an array has no gradient, but one computed from differentiated values (a batch
+    norm's step counter, updated by an earlier layer under the step's `jax.vjp` and
+    returned by an earlier unit) may carry an instantiated zero tangent, which the
+    unit's custom gradient (`eqx.filter_custom_vjp`) refuses for its non-differentiated
+    inputs. A conversion to the unsigned type of the same width and back (exact, bit for
+    bit) has a symbolic zero tangent.
+    """
+
+    def cut(x: Any) -> Any:
+        if not eqx.is_array(x) or eqx.is_inexact_array(x):
+            return x
+        dtype = x.dtype
+        if dtype == jnp.bool_:
+            return x.astype(jnp.uint8).astype(dtype)
+        if jnp.issubdtype(dtype, jnp.signedinteger):
+            return x.astype(jnp.dtype(f"uint{dtype.itemsize * 8}")).astype(dtype)
+        if jnp.issubdtype(dtype, jnp.unsignedinteger):
+            return x.astype(jnp.dtype(f"int{dtype.itemsize * 8}")).astype(dtype)
+        return x  # a key array: its tangent is not instantiated by JAX's rules
+
+    return jax.tree.map(cut, tree)
 
 
 def _call_unit_once_per_batch(operands: Any, call: Callable[[Any], Any]) -> Any:
@@ -411,7 +491,7 @@ def fsdp_wrap(
         if not matches(path, node):
             return descend(node)
         wrapped.append(path)
-        return FSDP(node, axis_name, min_weight_size=min_weight_size, mesh=mesh, **fsdp_options)
+        return FSDP(node, axis_name, min_weight_size=min_weight_size, mesh=mesh, path=path, **fsdp_options)
 
     result = map_modules(model, visit)
     if not wrapped:

@@ -96,6 +96,7 @@ def fsdp_gather_params(
     grad_scatter_dtype: Any = None,
     *,
     mean_grads: bool = False,
+    skip_units: bool = False,
 ) -> PyTree:
     """All-gather every array of `params` that is split over `axis_name` (inside `shard_map`).
 
@@ -119,6 +120,9 @@ def fsdp_gather_params(
       differentiated returns the global loss; gradients are summed). `True` for the
       local-loss convention: `gather_array_with_mean_grads`, gradients averaged (with
       the varying-axes check on or off, as the reference).
+    - `skip_units`: leave the `FSDP` units nested in `params` as they are (each gathers
+      its own parameters when it is called): what a unit wrapped around other units
+      gathers.
 
     Outside `shard_map` (the axis not bound) the arrays are already whole and are only
     unwrapped, so an `FSDP` module also runs in the global view.
@@ -152,7 +156,17 @@ def fsdp_gather_params(
             return value
         return Sharded(value, spec, leaf.global_shape)
 
-    return jax.tree.map(whole, params, is_leaf=is_sharded)
+    def nested_unit(x: Any) -> bool:
+        return skip_units and x is not params and is_unit(x)
+
+    return jax.tree.map(
+        lambda x: x if nested_unit(x) else whole(x), params, is_leaf=lambda x: is_sharded(x) or nested_unit(x)
+    )
+
+
+def is_unit(x: Any) -> bool:
+    """Whether `x` is an `FSDP` unit (a module marked `__fsdp_unit__`)."""
+    return bool(getattr(type(x), "__fsdp_unit__", False))
 
 
 def gather_params(

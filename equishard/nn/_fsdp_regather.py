@@ -139,6 +139,7 @@ class _GatherConfig(eqx.Module):
             self.gather_dtype,
             self.grad_scatter_dtype,
             mean_grads=self.mean_grads,
+            skip_units=True,
         )
         return module(*args, **kwargs)
 

@@ -391,10 +391,49 @@ def _array(x: Any) -> Any:
     return x.value if isinstance(x, Sharded) else x
 
 
+# What a plan cannot split, and the route that does: for the refusals and the probe.
+_PATH_RULE_ROUTE = (
+    "split its channels by path rules instead (`es.apply_rules(model, [(r\"<path>\\.weight\", "
+    "P(\"tp\"))])`, the arrays that follow those channels too) and train in the global view "
+    "(`make_train_step(..., view=\"global\")`), where XLA inserts the collectives (see the "
+    "\"Your own model\" guide, \"Beyond transformers\")"
+)
+
+
+def _is_conv(module: Any) -> bool:
+    return isinstance(module, (eqx.nn.Conv, eqx.nn.ConvTranspose))
+
+
 def _refuse(path: str, module: Any, style: Style, expected: str) -> LayerConfigError:
+    route = ""
+    if _is_conv(module):
+        route = f"; parallelize has no style for a convolution: {_PATH_RULE_ROUTE.replace('<path>', re.escape(path))}"
     return LayerConfigError(
         f"parallelize: the plan gives `{path or '<root>'}` ({type(module).__name__}) the style "
-        f"{style!r}, which applies to {expected}."
+        f"{style!r}, which applies to {expected}{route}."
+    )
+
+
+def _whole_convolutions(parallel: PyTree) -> str:
+    """The probe's first suspect when the parallel model has convolutions: each stays
+    whole under a plan, and one after a column-parallel layer (a depthwise convolution
+    over a split activation, as in a Mamba block) sees this device's channels only."""
+    convs: list[str] = []
+
+    def visit(path: str, module: Any, descend: Callable[[Any], Any]) -> Any:
+        if _is_conv(module):
+            convs.append(f"`{path}` ({type(module).__name__}, {module.in_channels} channels, groups={module.groups})")
+            return module
+        return descend(module)
+
+    map_modules(parallel, visit)
+    if not convs:
+        return ""
+    return (
+        f"The plan leaves the convolution(s) {', '.join(convs)} whole: a convolution after "
+        f"a column-parallel layer (a depthwise one over a split activation, as in a Mamba "
+        f"block) is given this device's channels only, and so are the per-channel arrays "
+        f"used with it. For such a model, {_PATH_RULE_ROUTE.replace('<path>', '<conv path>')}. "
     )
 
 
@@ -658,6 +697,7 @@ def _probe(original: PyTree, parallel: PyTree, probe: Callable[[PyTree], Any], m
         "weights (HeadParallel(..., dropout_dim=...)), a linear layer the plan leaves "
         "whole between split ones."
     )
+    hint = _whole_convolutions(parallel) + hint
     want = _run_compiled(probe, original)
     try:
         got = _run_compiled(filter_shard_map(probe, mesh=mesh, out_specs=P()), parallel)

@@ -141,7 +141,10 @@ def unbox(tree: PyTree) -> PyTree:
     """Replace every `Sharded` box in `tree` by the array it holds.
 
     Use it where a plain module is called: `unbox(model)(x)`. Outside `shard_map` this
-    gives global arrays, inside it local blocks.
+    gives global arrays, inside it local blocks — except an `equishard.nn.FSDP` unit's,
+    which inside `shard_map` over its axis are all-gathered (their gradients
+    reduce-scattered), so that the plain module computes with its global parameters in
+    either view (calling the model itself keeps one unit's parameters whole at a time).
 
     **Arguments:**
 
