@@ -443,19 +443,28 @@ def run(
     # The directories are checked before anything is compiled: a checkpoint directory
     # that is a file or read-only is found now, not at the first save.
     run_dir = pathlib.Path(config.run_dir)
-    probe_writable(run_dir, "run directory (--run-dir)")
     checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints").absolute()
+    created = [d for d in (checkpoint_dir, run_dir) if not d.exists()]
+    probe_writable(run_dir, "run directory (--run-dir)")
     resuming = config.resume or config.resume_step is not None
-    lock = None
-    if is_coordinator():  # process 0 holds the run directory for every process
-        lock = claim(run_dir.absolute(), checkpoint_dir, resume=resuming, overwrite=config.overwrite, print_fn=print_fn)
+    held, marked = None, []
+
+    def mark() -> None:  # once every check has passed: the markers, then the run's files
+        if held is not None:
+            held.mark()
+        marked.append(True)
+
     try:
+        if is_coordinator():  # process 0 holds the run directory for every process
+            held = claim(run_dir.absolute(), checkpoint_dir, resume=resuming, overwrite=config.overwrite, print_fn=print_fn)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("equishard run directory claimed")
-        return _run_locked(r, run_dir, checkpoint_dir, start, print_fn, clock, profile)
+        return _run_locked(r, run_dir, checkpoint_dir, start, print_fn, clock, profile, mark)
     finally:
-        if lock is not None:
-            lock.release()
+        if held is not None:
+            held.release()
+        for directory in created if not marked else ():  # refused before writing: new ones go
+            _remove_if_empty(directory)
 
 
 def _run_locked(
@@ -466,8 +475,10 @@ def _run_locked(
     print_fn: Callable[[str], None],
     clock: Clock,
     profile: DeviceProfile | None,
+    mark: Callable[[], None],
 ) -> dict[str, Any]:
-    """`run` once the run directory is this run's: restore or initialise, then train."""
+    """`run` once the run directory is this run's: restore or initialise, then train
+    (`mark` writes the directories' markers, once every check has passed)."""
     from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
 
     config = r.config
@@ -490,7 +501,8 @@ def _run_locked(
         checksums=config.verify_checkpoints,
     )
     try:
-        ckpt.check_writable()
+        if not (resuming and not checkpoint_dir.exists()):  # a resume from nothing creates nothing
+            ckpt.check_writable()
         resumed = ""
         if resuming:
             state = _resume(r, ckpt, metadata, print_fn)
@@ -511,6 +523,7 @@ def _run_locked(
                     f"another --checkpoint-dir / --run-dir. Nothing was written."
                 )
             state = r.init_state()
+        mark()
         _write_config(run_dir, config)
         throughput = Throughput(
             tokens_per_step=config.batch_size * config.seq_len,
@@ -526,6 +539,13 @@ def _run_locked(
         raise
     finally:
         ckpt.close()
+
+
+def _remove_if_empty(directory: pathlib.Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (another process's files), or gone: left as it is
+        pass
 
 
 def _resume_changes(run_dir: pathlib.Path, config: TrainConfig) -> list[str]:
