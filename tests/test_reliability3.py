@@ -203,3 +203,128 @@ def test_a_refused_resume_writes_nothing(tmp_path, capsys):
     assert not (folder / MARKER).exists() and _snapshot(folder / "checkpoints") == before
     with pytest.raises(es.CheckpointError, match="holds no equishard run"):
         _claim(folder, folder / "checkpoints", overwrite=True)  # never taken for a run's
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Signals at any moment of `equishard train`
+# ---------------------------------------------------------------------------------------
+
+PHASES = ("compile", "restore", "step", "evaluation", "save", "export", "sample")
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+SHORT = [*TRAIN, "--steps", "3", "--eval-every", "100", "--checkpoint-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A finished run of two steps (checkpoints 1 and 2), to resume from."""
+    from equishard._cli import main
+
+    run = tmp_path_factory.mktemp("signals") / "base"
+    assert main([*SHORT, "--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run)]) == 0
+    return run
+
+
+def _send_at(phase, sig, monkeypatch):
+    """Send `sig` to this process once the run reaches `phase` (a hook, no sleep); at
+    "save", a second signal while the stop's own save runs."""
+    import signal
+
+    from equishard._app import _run
+    from equishard.train import Checkpointer
+
+    number = getattr(signal, sig)
+
+    def send():
+        os.kill(os.getpid(), number)
+
+    timed = _run._Phases.timed
+
+    def at_phase(self, name, fn):
+        if name == {"compile": "compile", "evaluation": "evaluation", "export": "export", "sample": "sample"}.get(phase):
+            return timed(self, name, lambda: (send(), fn())[1])
+        return timed(self, name, fn)
+
+    monkeypatch.setattr(_run._Phases, "timed", at_phase)
+    if phase == "restore":
+        resume = _run._resume
+        monkeypatch.setattr(_run, "_resume", lambda *a: (send(), resume(*a))[1])
+    if phase == "step":
+        row = _run._step_row
+        monkeypatch.setattr(_run, "_step_row", lambda step, *a: (step == 0 and send(), row(step, *a))[1])
+    if phase == "save":
+        save = Checkpointer.save
+        monkeypatch.setattr(Checkpointer, "save", lambda self, *a, **k: (send(), save(self, *a, **k))[1])
+
+
+EXPECTED = {
+    "compile": "stopped after step 0 of 3, saved in",
+    "restore": "stopped after step 2 of 3, saved in",
+    "step": "stopped after step 1 of 3, saved in",
+    "evaluation": "stopped after step 1 of 3, saved in",
+    "save": "stopped after step 1 of 3, saved in",
+    "export": "the sample was skipped; nothing is left to train",
+    "sample": "during the sample: the run is complete",
+}
+
+
+# SIGTERM at every phase; SIGUSR1 and SIGINT (one handler for the three) where a run is
+# cheapest, and Ctrl-C during the compilation (CI budget).
+CASES = [(phase, "SIGTERM") for phase in PHASES] + [
+    (phase, sig) for sig in ("SIGUSR1", "SIGINT") for phase in ("restore", "step", "save")
+] + [("compile", "SIGINT")]
+
+
+@pytest.mark.parametrize("phase,sig", CASES)
+def test_a_signal_at_any_phase_ends_the_run_cleanly(phase, sig, two_steps, tmp_path, capsys, monkeypatch):
+    """Each of SIGTERM, SIGUSR1 and SIGINT at each phase: exit 0, no traceback, one line
+    naming the last complete step (saved) and how to continue, the lock released; a
+    second signal during the save the stop commits is reported and does not interrupt it."""
+    import shutil
+
+    from equishard._cli import main
+    from equishard.train import Checkpointer
+
+    run = tmp_path / "run"
+    argv = [*SHORT, "--run-dir", str(run)]
+    if phase == "restore":
+        shutil.copytree(two_steps, run)
+        argv.append("--resume")
+    argv += {"evaluation": ["--eval-every", "1"], "save": ["--checkpoint-every", "1"]}.get(phase, [])
+    argv += {"export": ["--sample-bytes", "2"], "sample": ["--sample-bytes", "2"]}.get(phase, [])
+    capsys.readouterr()
+    _send_at(phase, sig, monkeypatch)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "error" not in err, err
+    lines = [line for line in out.splitlines() if line.startswith(f"equishard train: received {sig}")]
+    assert EXPECTED[phase] in lines[-1], out[-2000:]
+    if phase == "save":
+        assert "while saving step 1: the save completes first" in out
+    assert not (run / LOCK).exists()
+    monkeypatch.undo()
+    with Checkpointer(run / "checkpoints") as ckpt:
+        assert ckpt.latest_step() == {"compile": 0, "restore": 2, "step": 1, "evaluation": 1, "save": 1}.get(phase, 3)
+
+
+def test_a_signal_before_the_run_began_writes_nothing(two_steps, tmp_path, capsys, monkeypatch):
+    """Before anything is written: a fresh run exits 2 (nothing was saved) and leaves no
+    directory; a resumed one exits 0 naming the checkpoint it would have continued from."""
+    import shutil
+    import signal
+
+    from equishard._app import _run
+    from equishard._cli import main
+
+    check = _run.check_fits_machine
+    monkeypatch.setattr(_run, "check_fits_machine", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), check(*a))[1])
+    fresh = tmp_path / "fresh"
+    assert main([*SHORT, "--run-dir", str(fresh)]) == 2
+    err = capsys.readouterr().err
+    assert "error: received SIGTERM before the run began: nothing was trained, written or saved" in err
+    assert not fresh.exists()
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    before = _snapshot(run)
+    assert main([*SHORT, "--run-dir", str(run), "--resume"]) == 0
+    assert "the last complete checkpoint is step 2 in" in capsys.readouterr().out
+    assert _snapshot(run) == before
