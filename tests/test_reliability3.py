@@ -328,3 +328,223 @@ def test_a_signal_before_the_run_began_writes_nothing(two_steps, tmp_path, capsy
     assert main([*SHORT, "--run-dir", str(run), "--resume"]) == 0
     assert "the last complete checkpoint is step 2 in" in capsys.readouterr().out
     assert _snapshot(run) == before
+
+
+# ---------------------------------------------------------------------------------------
+# 3. The step's contract, checked by name
+# ---------------------------------------------------------------------------------------
+
+
+def _tiny(optimizer=None, **step_kwargs):
+    """A one-matrix model on dp=4,tp=2 and its step; the loss reads the batch."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.train import init_train_state
+
+    mesh = es.make_mesh("dp=4,tp=2")
+    optimizer = optimizer or optax.sgd(0.1)
+    state = init_train_state(lambda k: es.Sharded(jnp.ones((4, 4)), P()), optimizer, jax.random.key(0), mesh=mesh)
+    return mesh, state
+
+
+def _mean_square(model, batch, key):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.pmean(jnp.mean((batch @ model.value) ** 2), "dp"), {}
+
+
+@pytest.mark.parametrize("name", ["loss", "grad_norm", "skipped"])
+def test_reserved_metric_names_are_refused(name):
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.train import make_train_step
+
+    mesh, state = _tiny()
+
+    def loss_fn(model, batch, key):
+        loss, _ = _mean_square(model, batch, key)
+        return loss, {name: jnp.float32(123.0)}
+
+    step = make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
+    with pytest.raises(es.TrainStepError, match=f"metric\\(s\\) '{name}' would replace the step's own"):
+        step(state, jnp.ones((8, 4)))
+
+
+def test_a_state_built_for_another_optimizer_is_named():
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.train import make_train_step
+
+    mesh, state = _tiny(optax.sgd(0.1))
+    step = make_train_step(_mean_square, optax.adam(0.1), mesh=mesh, batch_spec=P("dp"))
+    with pytest.raises(es.TrainStepError, match="optimizer state does not fit this step's optimizer"):
+        step(state, jnp.ones((8, 4)))
+
+
+class _Counted(__import__("equinox").Module):
+    """A model with a state (a counter), for the loss form."""
+
+    w: object
+    index: object
+
+    def __init__(self):
+        import equinox as eqx
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
+        self.w = es.Sharded(jnp.ones((4, 4)), P())
+        self.index = eqx.nn.StateIndex(jnp.zeros((), jnp.float32))
+
+
+def test_the_loss_form_is_checked_by_name():
+    """The plain form with a model state, the stateful form without one."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.train import init_train_state, make_train_step
+
+    mesh, plain = _tiny()
+
+    def stateful(model, state, batch, key):
+        return _mean_square(model, batch, key)[0], ({}, state)
+
+    step = make_train_step(stateful, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
+    with pytest.raises(es.TrainStepError, match=r"carries no model state.*takes \(model, state, batch, key\)"):
+        step(plain, jnp.ones((8, 4)))
+    with_state = init_train_state(lambda k: eqx.nn.make_with_state(_Counted)(), optax.sgd(0.1), jax.random.key(0), mesh=mesh)
+
+    def plain_loss(model, batch, key):
+        return jax.lax.pmean(jnp.mean((batch @ model.w.value) ** 2), "dp"), {}
+
+    step = make_train_step(plain_loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
+    with pytest.raises(es.TrainStepError, match=r"carries a model state \(eqx.nn.State\).*takes \(model, batch, key\)"):
+        step(with_state, jnp.ones((8, 4)))
+
+
+def _lm(vocab=16, dim=8, tokens=12):
+    import jax
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(keys[0], (tokens, dim))
+    w = jax.random.normal(keys[1], (vocab, dim))
+    labels = jax.random.randint(keys[2], (tokens,), 0, vocab)
+    return h, w, labels
+
+
+@pytest.mark.parametrize("bad", [16, 999, -1])
+def test_a_label_outside_the_vocabulary_is_never_scored(bad):
+    """Fused (one device, and the vocabulary split over tp=4: one global range check) and
+    unfused vocabulary-parallel losses: NaN loss and gradients, where optax gives NaN;
+    the ignore_index label is exempt."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.core import fused_linear_cross_entropy
+    from equishard.nn import vocab_parallel_cross_entropy
+
+    h, w, labels = _lm()
+    labels = labels.at[5].set(bad)
+
+    def fused(h, w, labels, axis=None, **kw):
+        sums = fused_linear_cross_entropy(h, w, labels, axis, **kw)
+        return sums.loss / sums.tokens
+
+    loss, grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(h, w, labels)
+    assert not np.isfinite(float(loss)) and not np.isfinite(np.asarray(grads[0])).all()
+    mesh = es.make_mesh("tp=4,dp=2")
+    split = es.filter_shard_map(
+        lambda h, w, labels: fused(h, w, labels, "tp"), mesh=mesh, in_specs=(P(), P("tp"), P()), out_specs=P()
+    )
+    assert not np.isfinite(float(jax.jit(split)(h, w, labels)))
+    per_token = es.filter_shard_map(
+        lambda z, labels: vocab_parallel_cross_entropy(z, labels, "tp"), mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P()
+    )
+    out = np.asarray(jax.jit(per_token)(h @ w.T, labels))
+    assert np.isnan(out[5]) and np.isfinite(np.delete(out, 5)).all()
+    ignored = labels.at[5].set(-100)
+    loss = jax.jit(lambda *a: fused(*a, ignore_index=-100))(h, w, ignored)
+    want = jax.jit(fused)(jnp.delete(h, 5, axis=0), w, jnp.delete(labels, 5))
+    assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+
+
+def test_a_train_step_on_labels_outside_the_vocabulary_is_skipped():
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.core import fused_linear_cross_entropy
+    from equishard.train import make_train_step
+
+    mesh, state = _tiny()
+
+    def loss_fn(model, batch, key):  # the 4x4 matrix as a head over 4 "tokens"
+        sums = fused_linear_cross_entropy(batch["h"], model.value, batch["labels"])
+        return jax.lax.pmean(sums.loss / sums.tokens, "dp"), {}
+
+    step = make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"))
+    batch = {"h": jnp.ones((8, 4)), "labels": jnp.arange(8, dtype=jnp.int32) % 4}
+    state, metrics = step(state, batch)
+    assert int(metrics["skipped"]) == 0
+    _, metrics = step(state, {**batch, "labels": batch["labels"].at[3].set(999)})
+    assert int(metrics["skipped"]) == 1 and not __import__("math").isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("label_smoothing", -0.5, "label_smoothing=-0.5 must be a number from 0 to 1"),
+        ("label_smoothing", 2.0, "label_smoothing=2.0 must be a number from 0 to 1"),
+        ("label_smoothing", float("nan"), "label_smoothing=nan must be a number from 0 to 1"),
+        ("z_loss", -1.0, "z_loss=-1.0 must be a finite number, 0 or more"),
+        ("softcap", 0.0, "softcap=0.0 must be a finite number above 0, or None"),
+        ("chunk_size", 4.0, "chunk_size=4.0 must be a whole number of tokens"),
+        ("chunk_size", 0, "chunk_size=0 must be positive"),
+        ("labels", "float32", "labels of dtype='float32' is not an integer dtype"),
+    ],
+)  # fmt: skip
+def test_loss_options_out_of_range_are_named(option, value, message):
+    from equishard.core._fused_ce import check_loss_options
+
+    kwargs = {"labels": __import__("numpy").zeros(3, "int32"), "chunk_size": None, "ignore_index": None, "z_loss": 0.0, "label_smoothing": 0.0, "softcap": None}
+    kwargs[option] = __import__("numpy").zeros(3, value) if option == "labels" else value
+    with pytest.raises(es.LayerConfigError) as info:
+        check_loss_options(**kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("dtype,message", [("float16", "no loss scaling"), ("float8_e4m3fn", "float8_e4m3fn is an 8-bit")])
+def test_unscaled_compute_dtypes_are_refused(dtype, message):
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from equishard.train import make_train_step
+
+    mesh, _ = _tiny()
+    with pytest.raises(es.LayerConfigError, match=message):
+        make_train_step(_mean_square, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"), compute_dtype=getattr(jnp, dtype))
+
+
+def test_steps_of_exactly_zero_gradients_are_warned_of():
+    from equishard._app import TrainConfig
+    from equishard._app._run import ZERO_GRADIENT_STEPS, _Streaks
+
+    lines = []
+    streaks = _Streaks(TrainConfig(), None)  # type: ignore[arg-type]
+    for step in range(1, 2 * ZERO_GRADIENT_STEPS + 2):
+        streaks.after(step, {"loss": 1.0, "grad_norm": 0.0 if step != 3 else 0.5, "skipped": 0}, lines.append)
+    assert len(lines) == 1 and f"gradients of steps 4 to {3 + ZERO_GRADIENT_STEPS} were all exactly zero" in lines[0]

@@ -747,7 +747,7 @@ class _StopSignals:
         name = signal.Signals(sig).name
         if self.received is None:
             self.received = sig
-            line = f"equishard train: received {name}: the run stops at its next safe point and saves the step it reached."
+            line = f"equishard train: stopping ({name}) at the next safe point, saving the step reached..."
         elif self.saving is not None:
             line = (
                 f"equishard train: received {name} while saving step {self.saving}: the save "

@@ -102,6 +102,30 @@ def _floating(name: str, dtype: Any) -> Any:
     return dtype
 
 
+def _refuse_unscaled(dtype: Any) -> None:
+    """Refuse compute dtypes that need scaling the step does not do: float16 (no loss
+    scaling: its gradients underflow and its activations overflow, so steps would be
+    skipped silently) and the 8-bit floats (no per-tensor scales; they are storage
+    formats for an fp8 policy, not a dtype to compute a whole loss in)."""
+    if dtype is None:
+        return
+    name = jnp.dtype(dtype).name
+    if name == "float16":
+        raise LayerConfigError(
+            "make_train_step: compute_dtype=float16 is not supported: the step does no loss "
+            "scaling, without which float16 gradients underflow and its activations overflow "
+            "(every step would be skipped as non-finite). Use compute_dtype=jnp.bfloat16 "
+            "(float32's range, no scaling needed)."
+        )
+    if jnp.finfo(dtype).bits < 16:
+        raise LayerConfigError(
+            f"make_train_step: compute_dtype={name} is an 8-bit (or smaller) float: a loss "
+            f"cannot be computed in it without per-tensor scales, which the step does not "
+            f"keep. Use compute_dtype=jnp.bfloat16; fp8 matmuls belong to an fp8 precision "
+            f"policy (scaled per tensor), not to the compute dtype."
+        )
+
+
 def precision_of(
     compute_dtype: Any, gather_dtype: Any, reduce_dtype: Any, data_axes: tuple[str, ...]
 ) -> Precision:
@@ -115,6 +139,7 @@ def precision_of(
     for name, dtype in (("compute_dtype", compute_dtype), ("gather_dtype", gather_dtype),
                         ("reduce_dtype", reduce_dtype)):  # fmt: skip
         _floating(name, dtype)
+    _refuse_unscaled(compute_dtype)
     if compute_dtype is None:
         if gather_dtype is not None or reduce_dtype is not None:
             raise LayerConfigError(
