@@ -548,3 +548,63 @@ def test_steps_of_exactly_zero_gradients_are_warned_of():
     for step in range(1, 2 * ZERO_GRADIENT_STEPS + 2):
         streaks.after(step, {"loss": 1.0, "grad_norm": 0.0 if step != 3 else 0.5, "skipped": 0}, lines.append)
     assert len(lines) == 1 and f"gradients of steps 4 to {3 + ZERO_GRADIENT_STEPS} were all exactly zero" in lines[0]
+
+
+def test_a_corrupted_checkpoint_is_named_without_raw_tracebacks(two_steps, tmp_path, capsys, monkeypatch):
+    """The reads still in flight when a restore fails no longer print `Event loop is
+    closed` tracebacks (about 15 before); `--profile` before the resumed step is named."""
+    import shutil
+
+    from equishard._cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    for path in (run / "checkpoints" / "2").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "metadata" not in path.name.lower():
+            path.write_bytes(b"\0" * 7)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    assert main([*SHORT, "--run-dir", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step 2 in" in err and "is corrupt or incomplete" in err and "--resume-step 1" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not [u for u in unraisable if "Event loop is closed" in str(u.exc_value)]
+    shutil.move(run / "checkpoints" / "2", tmp_path / "suspect")
+    assert main([*SHORT, "--run-dir", str(run), "--resume", "--profile", "0:1"]) == 2
+    assert "--profile 0:1 traces steps 0 to 0, all before step 1, where this resumed run starts" in capsys.readouterr().err
+
+
+def test_plan_with_no_device_memory_is_named(capsys):
+    from equishard._cli import main
+
+    assert main(["plan", "--model", "tiny", "--layout", "dp=8", "--devices", "8", "--device-memory", "0"]) == 2
+    assert "--device-memory '0' must be above 0 bytes" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# 4. The user's files in both directories, byte for byte, through train, resume, overwrite
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_users_files_survive_train_resume_and_overwrite(tmp_path, capsys):
+    from equishard._cli import main
+
+    run, outside = tmp_path / "run", tmp_path / "ckpt"
+    argv = [*SHORT, "--run-dir", str(run), "--checkpoint-dir", str(outside)]
+    assert main([*argv, "--steps", "1"]) == 0
+    mine = {d: _plant(d) for d in (run, outside)}
+
+    def unchanged():
+        for directory, files in mine.items():
+            after = _snapshot(directory)
+            assert {k: after.get(k) for k in files} == files
+
+    assert main([*argv, "--steps", "2", "--resume"]) == 0
+    unchanged()
+    assert main([*argv, "--steps", "1", "--overwrite"]) == 0
+    unchanged()
+    assert main([*argv, "--steps", "1"]) == 2  # a run is there again: refused, nothing moved
+    unchanged()
+    moved = [p for p in outside.iterdir() if p.name.startswith("previous-2")]
+    assert len(moved) == 1 and sorted(p.name for p in moved[0].iterdir()) == ["1", "2"]
+    capsys.readouterr()
