@@ -38,6 +38,8 @@ def parse_bytes(text: str) -> int:
         value = float(match.group(1))
     except ValueError:
         raise LayerConfigError(f"--device-memory {text!r} is not a size such as '80GiB'.") from None
+    if int(value * _UNITS[match.group(2).upper()]) < 1:
+        raise LayerConfigError(f"--device-memory {text!r} must be above 0 bytes.")
     return int(value * _UNITS[match.group(2).upper()])
 
 

@@ -40,6 +40,23 @@ def profile_steps(text: str | None, steps: int) -> tuple[int, int] | None:
     return start, stop
 
 
+def check_profile_resumed(text: str | None, steps: int, first: int) -> None:
+    """Refuse a `--profile` range that ends before the step a resumed run starts at (it
+    would trace nothing).
+
+    **Raises:**
+
+    `LayerConfigError` naming `--profile` and the step.
+    """
+    traced = profile_steps(text, steps)
+    if traced is not None and traced[1] <= first:
+        raise LayerConfigError(
+            f"--profile {text} traces steps {traced[0]} to {traced[1] - 1}, all before step "
+            f"{first}, where this resumed run starts: nothing would be traced; choose START "
+            f"at {first} or later."
+        )
+
+
 class StepProfiler:
     """Starts a `jax.profiler` trace before step `start`, stops it after step `stop - 1`
     (or when the loop ends first): a context around the training loop.

@@ -61,7 +61,7 @@ from ._log import (
     time_summary,
 )
 from ._metrics import METRICS_FILE, MetricsLog, read_metrics
-from ._profile import StepProfiler, profile_steps
+from ._profile import StepProfiler, check_profile_resumed, profile_steps
 from ._rundir import claim, write_atomically
 
 if TYPE_CHECKING:
@@ -429,11 +429,21 @@ def run(
     `EquishardError` subclasses for bad options, layouts, models and checkpoints,
     before anything is compiled or written over.
     """
-    from ..train._internal import probe_writable
 
     start = clock()
     if not is_coordinator():  # one process prints: the others compute the same values
         print_fn = _silent
+    with _StopSignals(print_fn) as stop:  # from the start to the end of the run
+        return _run_claimed(config, devices, start, print_fn, clock, profile, stop)
+
+
+def _run_claimed(
+    config: TrainConfig, devices: list | None, start: float, print_fn: Callable[[str], None],
+    clock: Clock, profile: DeviceProfile | None | str, stop: _StopSignals,
+) -> dict[str, Any]:  # fmt: skip
+    """`run` from its checks: claim the directories, then `_run_locked`."""
+    from ..train._internal import probe_writable
+
     r = Run(config, devices=devices)
     if profile == "auto":
         profile = device_profile(r.mesh.devices.flat[0].device_kind)
@@ -441,19 +451,55 @@ def run(
     # The directories are checked before anything is compiled: a checkpoint directory
     # that is a file or read-only is found now, not at the first save.
     run_dir = pathlib.Path(config.run_dir)
-    probe_writable(run_dir, "run directory (--run-dir)")
     checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints").absolute()
+    created = [d for d in (checkpoint_dir, run_dir) if not d.exists()]
+    probe_writable(run_dir, "run directory (--run-dir)")
     resuming = config.resume or config.resume_step is not None
-    lock = None
-    if is_coordinator():  # process 0 holds the run directory for every process
-        lock = claim(run_dir.absolute(), checkpoint_dir, resume=resuming, overwrite=config.overwrite, print_fn=print_fn)
+    held, marked = None, []
+
+    def mark() -> None:  # once every check has passed: the markers, then the run's files
+        if held is not None:
+            held.mark()
+        marked.append(True)
+
     try:
+        if is_coordinator():  # process 0 holds the run directory for every process
+            held = claim(run_dir.absolute(), checkpoint_dir, resume=resuming, overwrite=config.overwrite, print_fn=print_fn)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("equishard run directory claimed")
-        return _run_locked(r, run_dir, checkpoint_dir, start, print_fn, clock, profile)
+        if stop.stop():  # before anything is written
+            return _stopped_before_start(config, checkpoint_dir, stop, print_fn)
+        return _run_locked(r, run_dir, checkpoint_dir, start, print_fn, clock, profile, mark, stop)
     finally:
-        if lock is not None:
-            lock.release()
+        if held is not None:
+            held.release()
+        for directory in created if not marked else ():  # refused before writing: new ones go
+            _remove_if_empty(directory)
+
+
+def _stopped_before_start(
+    config: TrainConfig, checkpoint_dir: pathlib.Path, stop: _StopSignals, print_fn: Callable[[str], None]
+) -> dict[str, Any]:
+    """A stop asked for before the run began: nothing is written. With a checkpoint to
+    resume from, that is a clean stop (exit 0); without, nothing was saved.
+
+    **Raises:**
+
+    `TrainingError` (exit 2) when there is no checkpoint to continue from.
+    """
+    from ..train._internal import committed_steps
+
+    steps = committed_steps(checkpoint_dir) if config.resume or config.resume_step is not None else []
+    if not steps:
+        raise TrainingError(
+            f"received {stop.name} before the run began: nothing was trained, written or "
+            f"saved; run the same command again to start it."
+        )
+    print_fn(
+        f"equishard train: received {stop.name} before the run began: nothing was trained; the "
+        f"last complete checkpoint is step {steps[-1]} in {checkpoint_dir}; continue with --resume."
+    )
+    return {"stopped": stop.name, "steps": steps[-1], "run_dir": config.run_dir}
 
 
 def _run_locked(
@@ -464,8 +510,11 @@ def _run_locked(
     print_fn: Callable[[str], None],
     clock: Clock,
     profile: DeviceProfile | None,
+    mark: Callable[[], None],
+    stop: _StopSignals,
 ) -> dict[str, Any]:
-    """`run` once the run directory is this run's: restore or initialise, then train."""
+    """`run` once the run directory is this run's: restore or initialise, then train
+    (`mark` writes the directories' markers, once every check has passed)."""
     from ..train import Checkpointer  # orbax, the `train` extra: needed from here on
 
     config = r.config
@@ -488,10 +537,12 @@ def _run_locked(
         checksums=config.verify_checkpoints,
     )
     try:
-        ckpt.check_writable()
+        if not (resuming and not checkpoint_dir.exists()):  # a resume from nothing creates nothing
+            ckpt.check_writable()
         resumed = ""
         if resuming:
             state = _resume(r, ckpt, metadata, print_fn)
+            check_profile_resumed(config.profile, config.steps, int(state.step))
             saved_layout = ckpt.read_metadata(int(state.step)).get("user", {}).get("layout")
             resumed = (
                 f"resumed from step {int(state.step)} of {checkpoint_dir} (data position "
@@ -509,6 +560,7 @@ def _run_locked(
                     f"another --checkpoint-dir / --run-dir. Nothing was written."
                 )
             state = r.init_state()
+        mark()
         _write_config(run_dir, config)
         throughput = Throughput(
             tokens_per_step=config.batch_size * config.seq_len,
@@ -518,12 +570,19 @@ def _run_locked(
             dtype=config.dtype,
         )
         log = _Log(rows, run_dir, int(state.step) if resuming else None)
-        return _train(r, state, corpus, ckpt, log, start, print_fn, clock, throughput, resumed)
+        return _train(r, state, corpus, ckpt, log, start, print_fn, clock, throughput, resumed, stop)
     except BaseException:
         ckpt.close(quiet=True)  # the error in flight is the one to report
         raise
     finally:
         ckpt.close()
+
+
+def _remove_if_empty(directory: pathlib.Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (another process's files), or gone: left as it is
+        pass
 
 
 def _resume_changes(run_dir: pathlib.Path, config: TrainConfig) -> list[str]:
@@ -656,13 +715,20 @@ class _Log:
 
 
 class _StopSignals:
-    """SIGTERM and SIGUSR1 (a cluster's preemption notice) ask the run to stop at the end
-    of the current step; the handlers are installed while the steps run (main thread)."""
+    """SIGTERM, SIGUSR1 (a cluster's preemption notice) and SIGINT (Ctrl-C) ask the run
+    to stop at its next safe point: before the next step (so after a compilation, a
+    restore, a step, an evaluation or a periodic save), where the step reached is saved,
+    or, after the last step, before the model is exported and the sample drawn. Once a
+    stop is asked for, further signals cannot interrupt the save that commits it: they
+    are reported and ignored. The handlers are installed for the whole run (main thread
+    only)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, print_fn: Callable[[str], None] = print) -> None:
         self.received: int | None = None
+        self.saving: int | None = None  # the step being saved, once a stop is asked for
+        self._print = print_fn
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
@@ -677,7 +743,27 @@ class _StopSignals:
 
     def _on_signal(self, sig: int, frame: Any) -> None:
         del frame
-        self.received = sig
+        name = signal.Signals(sig).name
+        if self.received is None:
+            self.received = sig
+            line = f"equishard train: stopping ({name}) at the next safe point, saving the step reached..."
+        elif self.saving is not None:
+            line = (
+                f"equishard train: received {name} while saving step {self.saving}: the save "
+                f"completes first (signals cannot interrupt it; SIGKILL can, and the previous "
+                f"checkpoint is kept)."
+            )
+        else:
+            line = f"equishard train: received {name}: already stopping."
+        try:
+            self._print(line)
+        except RuntimeError:  # the print this signal interrupted holds the stream
+            os.write(2, (line + "\n").encode())
+
+    @property
+    def name(self) -> str:
+        """The signal received, by name."""
+        return signal.Signals(self.received).name if self.received is not None else "a stop signal (another process)"
 
     def stop(self) -> bool:
         """Whether to stop now: in a multi-process run, whether any process was told to
@@ -713,6 +799,7 @@ def _train(
     clock: Clock,
     throughput: Throughput,
     resumed: str,
+    stop: _StopSignals,
 ) -> dict[str, Any]:
     config = r.config
     run_dir = log.run_dir
@@ -735,10 +822,10 @@ def _train(
     phases = _Phases(clock)
     val_loss: float | None = None
     loss: float | None = None
-    skipped_in_a_row = 0
+    streaks = _Streaks(config, ckpt)
     window = dataclasses.replace(throughput)  # the steps since the last log line
     step_fn = r.train_step
-    if first < config.steps:
+    if first < config.steps and not stop.received:  # a stop asked for already: no compile
         print_fn("compiling the train step...")
         first_batch = r.batch(corpus.train, int(state.data_position))
         step_fn = phases.timed("compile", lambda: r.train_step.compile(state, first_batch))
@@ -754,9 +841,11 @@ def _train(
                 print_fn(line)
 
     out = MetricsLog(metrics_path if coordinator else None, log.resumed_from)
-    stop, profiler = _StopSignals(), StepProfiler(profile_steps(config.profile, config.steps), run_dir)
-    with out, stop, profiler:
+    profiler = StepProfiler(profile_steps(config.profile, config.steps), run_dir)
+    with out, profiler:
         for step in range(first, config.steps):
+            if stop.stop():  # asked during the compilation, the restore or the last step
+                break
             began = clock()
             batch = r.batch(corpus.train, int(state.data_position))
             # A skipped step (non-finite loss, gradients or update) is not applied but
@@ -771,7 +860,6 @@ def _train(
             window.add(seconds)
             phases.seconds["train"] += seconds
             loss = values["loss"]
-            skipped_in_a_row = skipped_in_a_row + 1 if values["skipped"] else 0
             row = _step_row(step, values, rates(step), seconds, throughput)
             out.write(row)
             rows.append(row)
@@ -790,28 +878,27 @@ def _train(
                     board.step(rows[-1])
                     board.flush()
                 emit(f"step {step + 1}: validation loss {val_loss:.4f}")
-            if skipped_in_a_row >= config.max_skipped_steps:
-                raise TrainingError(_too_many_skipped(step + 1, skipped_in_a_row, metrics, ckpt))
+            streaks.after(step + 1, values, emit)
             ckpt.poll()  # a checkpoint write that failed in the background stops the run
             if bar is not None:
                 _advance(bar, loss, val_loss, throughput)
             if (step + 1) % config.checkpoint_every == 0:
                 phases.timed("checkpoint", lambda: ckpt.save(step + 1, state))
-            if stop.stop():
-                break
         if bar is not None:
             bar.close()
         if board is not None:
             board.close()
 
-    def final_checkpoint() -> None:
+    def final_checkpoint() -> None:  # once a stop is asked for, signals cannot interrupt it
+        stop.saving = int(state.step)
         ckpt.save(int(state.step), state, exist_ok=True)
         ckpt.wait()
+        stop.saving = None
 
     phases.timed("checkpoint", final_checkpoint)
     if int(state.step) < config.steps:  # stopped by a signal, its step saved
         return _stopped(config, int(state.step), ckpt, stop, print_fn, run_dir)
-    return _finish(r, state, rows, phases, throughput, (loss, val_loss), start, clock, print_fn, run_dir)
+    return _finish(r, state, rows, phases, throughput, (loss, val_loss), start, clock, print_fn, run_dir, stop)
 
 
 def _step_row(step: int, values: dict[str, Any], lr: float, seconds: float, throughput: Throughput) -> dict[str, Any]:
@@ -840,13 +927,16 @@ def _advance(bar: Any, loss: float, val_loss: float | None, throughput: Throughp
 def _finish(
     r: Run, state: TrainState, rows: list[dict[str, Any]], phases: Any, throughput: Throughput,
     losses: tuple[float | None, float | None], start: float, clock: Clock,
-    print_fn: Callable[[str], None], run_dir: pathlib.Path,
+    print_fn: Callable[[str], None], run_dir: pathlib.Path, stop: _StopSignals,
 ) -> dict[str, Any]:  # fmt: skip
-    """After the last step: the plot, the exported model, a sample, the summary lines."""
+    """After the last step (saved): the plot, the exported model, a sample, the summary
+    lines; a stop asked for skips what is left of them."""
     config = r.config
     coordinator = is_coordinator()
     metrics_path = run_dir / METRICS_FILE
     loss, val_loss = losses
+    if stop.stop():
+        return _stopped_at_end(config, "the plot, the model export and the sample were", stop, print_fn)
     if config.plot and coordinator:
         title = f"{config.model} GPT, layout {config.layout}, {config.dtype}"
         phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png", title))
@@ -855,6 +945,8 @@ def _finish(
         "export", lambda: export_model(to_single_device(gather(state.model)), run_dir / "model.eqx")
     )
     sample = b""
+    if config.sample_bytes and stop.stop():
+        return _stopped_at_end(config, f"the model is in {exported}; the sample was", stop, print_fn)
     if config.sample_bytes:
         prompt = b"def "
         whole = gather(state.model)  # across processes a collective: every process joins
@@ -864,6 +956,8 @@ def _finish(
                 key=jax.random.key(config.seed),
             ))  # fmt: skip
         print_fn("sample: " + (prompt + sample).decode("utf-8", errors="replace"))
+    if stop.received is not None:  # during the sample, which completed
+        print_fn(f"equishard train: received {stop.name} during the sample: the run is complete.")
     seconds = clock() - start
     totals = throughput.total()
     if loss is None:  # resumed at the last step: nothing trained, nothing to report
@@ -893,12 +987,53 @@ def _stopped(
     config: TrainConfig, step: int, ckpt: Checkpointer, stop: _StopSignals, print_fn: Callable[[str], None], run_dir: pathlib.Path
 ) -> dict[str, Any]:
     """The one line a run stopped by SIGTERM or SIGUSR1 ends with, and its summary."""
-    name = signal.Signals(stop.received).name if stop.received is not None else "a stop signal (another process)"
+    name = stop.name
     print_fn(
         f"equishard train: received {name}: stopped after step {step} of {config.steps}, saved "
         f"in {ckpt.directory}; continue with --resume."
     )
     return {"stopped": name, "steps": step, "run_dir": str(run_dir)}
+
+
+ZERO_GRADIENT_STEPS = 10
+"""Consecutive steps whose gradients are exactly zero after which a run warns."""
+
+
+class _Streaks:
+    """Steps in a row that were skipped (an error after `--max-skipped-steps`) or whose
+    gradients were exactly zero (a warning after `ZERO_GRADIENT_STEPS`: a loss that does
+    not depend on the parameters trains on and learns nothing)."""
+
+    def __init__(self, config: TrainConfig, ckpt: Checkpointer):
+        self.config, self.ckpt, self.skipped, self.zero = config, ckpt, 0, 0
+
+    def after(self, step: int, values: dict[str, float], emit: Callable[[str], None]) -> None:
+        """Count step `step`'s metrics in.
+
+        **Raises:**
+
+        `TrainingError` after `--max-skipped-steps` skipped steps in a row.
+        """
+        self.skipped = self.skipped + 1 if values["skipped"] else 0
+        if self.skipped >= self.config.max_skipped_steps:
+            raise TrainingError(_too_many_skipped(step, self.skipped, values, self.ckpt))
+        self.zero = self.zero + 1 if values.get("grad_norm") == 0.0 and not values["skipped"] else 0
+        if self.zero == ZERO_GRADIENT_STEPS:
+            emit(
+                f"warning: the gradients of steps {step - self.zero + 1} to {step} were all exactly "
+                f"zero: the loss does not depend on the trained parameters, and the run learns "
+                f"nothing (check the loss function and what it reads of the model)."
+            )
+
+
+def _stopped_at_end(config: TrainConfig, skipped: str, stop: _StopSignals, print_fn: Callable[[str], None]) -> dict[str, Any]:
+    """The one line a run stopped after its last step ends with, and its summary."""
+    checkpoints = config.checkpoint_dir or pathlib.Path(config.run_dir) / "checkpoints"
+    print_fn(
+        f"equishard train: received {stop.name} after the last step: all {config.steps} steps "
+        f"are saved in {checkpoints}; {skipped} skipped; nothing is left to train."
+    )
+    return {"stopped": stop.name, "steps": config.steps, "run_dir": str(config.run_dir)}
 
 
 def _too_many_skipped(step: int, count: int, metrics: dict[str, Any], ckpt: Checkpointer) -> str:

@@ -13,10 +13,12 @@ chunk's logits at a time: `chunk × V/n` elements.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._axes import (
@@ -150,10 +152,16 @@ def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads
     def body(dw: Any, xs: tuple[Array, Array, Array]) -> tuple[Any, Any]:
         h_c, labels_c, valid_c = xs
         z, lse, loss, ce, correct, mine, index = _chunk(h_c, w, labels_c, valid_c, start, opts)
+        # A label outside the (global) vocabulary, unless ignored, makes the loss and its
+        # gradients NaN: such a batch is never trained on (the step skips it), never
+        # scored as if its target logit were 0. Labels are global ids: no collective.
+        outside = valid_c & ((labels_c < 0) | (labels_c >= opts.vocab))  # bool[C]
+        loss, ce = (jnp.where(outside, jnp.nan, x) for x in (loss, ce))
         sums = (jnp.sum(loss), jnp.sum(ce), jnp.sum(correct.astype(jnp.int32)))
         if not grads:
             return dw, (sums, None)
-        g = _grad_logits(z, lse, valid_c, mine, index, opts).astype(w.dtype)
+        g = _grad_logits(z, lse, valid_c, mine, index, opts)
+        g = jnp.where(outside[:, None], jnp.nan, g).astype(w.dtype)
         # bf16[C, V/n] @ bf16[V/n, D] -> [C, D]: this device's part of the input's gradient
         dh = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(h.dtype)
         # bf16[V/n, C] @ bf16[C, D] -> f32[V/n, D], accumulated over the chunks
@@ -260,8 +268,7 @@ def fused_linear_cross_entropy(
             f"fused_linear_cross_entropy: hidden {hidden.shape}, weight {weight.shape} and "
             f"labels {labels.shape} do not fit (hidden [..., D], weight [V/n, D], labels [...])."
         )
-    if chunk_size is not None and chunk_size < 1:
-        raise LayerConfigError(f"fused_linear_cross_entropy: chunk_size={chunk_size} must be positive.")
+    check_loss_options(labels, chunk_size, ignore_index, z_loss, label_smoothing, softcap)
     axes = axis_tuple(axis_name) if axis_name is not None and is_bound(axis_name) else ()
     n = combined_axis_size(axes) if axes else 1
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
@@ -282,6 +289,34 @@ def fused_linear_cross_entropy(
     loss, ce, correct = cast(tuple[Array, Array, Array], _fused(h, weight, labels.reshape(-1), opts))
     tokens = jnp.sum(_valid_labels(labels, ignore_index).astype(jnp.int32))
     return CrossEntropySums(loss, jax.lax.stop_gradient(ce), tokens, correct)
+
+
+def check_loss_options(
+    labels: Any, chunk_size: Any, ignore_index: Any, z_loss: Any, label_smoothing: Any, softcap: Any
+) -> None:
+    """Refuse the cross-entropy's options out of range, each by name, before JAX sees them.
+
+    **Raises:**
+
+    `LayerConfigError` naming the option, its value and its range.
+    """
+    def bad(option: str, value: Any, want: str) -> LayerConfigError:
+        return LayerConfigError(f"fused_linear_cross_entropy: {option}={value!r} {want}.")
+
+    if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+        raise bad("labels of dtype", jnp.dtype(jnp.result_type(labels)).name, "is not an integer dtype: labels are token ids")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer))):
+        raise bad("chunk_size", chunk_size, "must be a whole number of tokens (or None)")
+    if chunk_size is not None and chunk_size < 1:
+        raise bad("chunk_size", chunk_size, "must be positive")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer))):
+        raise bad("ignore_index", ignore_index, "must be a token id (an int) or None")
+    if not (isinstance(z_loss, (int, float, np.number)) and math.isfinite(z_loss) and z_loss >= 0):
+        raise bad("z_loss", z_loss, "must be a finite number, 0 or more (a negative z-loss rewards large logits)")
+    if not (isinstance(label_smoothing, (int, float, np.number)) and 0 <= label_smoothing <= 1):
+        raise bad("label_smoothing", label_smoothing, "must be a number from 0 to 1")
+    if softcap is not None and not (isinstance(softcap, (int, float, np.number)) and math.isfinite(softcap) and softcap > 0):
+        raise bad("softcap", softcap, "must be a finite number above 0, or None (no cap)")
 
 
 def _valid_labels(labels: Array, ignore_index: int | None) -> Array:

@@ -67,6 +67,10 @@ def vocab_parallel_cross_entropy(
         sum_exp = mp_reduce(sum_exp, axis_name=axis_name)
         target = mp_reduce(target, axis_name=axis_name)
     loss = jnp.log(sum_exp) - target
+    # A label outside the global vocabulary (its ids are global: no collective) gives a
+    # NaN loss, never a loss scored as if its target logit were 0; ignored labels are exempt.
+    vocab = vocab_local * (jax.lax.axis_size(axis_name) if bound else 1)
+    loss = jnp.where((labels < 0) | (labels >= vocab), jnp.nan, loss)
     if ignore_index is not None:
         loss = jnp.where(labels == ignore_index, jnp.zeros((), loss.dtype), loss)
     return loss

@@ -22,6 +22,7 @@ program ends, or the step still being written is discarded (never half-kept).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import pathlib
@@ -30,7 +31,7 @@ import signal
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -747,10 +748,11 @@ class Checkpointer:
         """
         meta = self.read_metadata(step)
         step = int(meta["step"])
-        restored, damage = self._read(meta, like, mesh)
-        if damage is None:
-            return restored
-        intact = self._intact_before(step, like, mesh)
+        with _quiet_closed_loop():
+            restored, damage = self._read(meta, like, mesh)
+            if damage is None:
+                return restored
+            intact = self._intact_before(step, like, mesh)
         if intact is None:
             advice = f"No earlier step is intact (steps there: {self.all_steps()})."
         else:
@@ -759,6 +761,27 @@ class Checkpointer:
                 f"`step={intact}` (on the command line, `--resume-step {intact}`)."
             )
         raise CheckpointError(f"{self._where(step)} is corrupt or incomplete: {damage}. {advice}")
+
+
+@contextlib.contextmanager
+def _quiet_closed_loop() -> Iterator[None]:
+    """Keep the reads of a failed restore from printing a traceback each: when one read
+    fails, orbax's event loop closes while tensorstore's other reads are in flight, and
+    each of their completions reports `RuntimeError: Event loop is closed` through
+    `sys.unraisablehook` (about 15 raw tracebacks before the named error). Those, and
+    only those, are dropped while a restore runs; its own error is raised as usual."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def _versions() -> dict[str, str]:

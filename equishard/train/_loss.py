@@ -80,6 +80,7 @@ def check_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
             f"{jnp.dtype(dtype).name}, not floating: an integer loss has no gradient. Compute "
             f"it in floating point (e.g. `count.astype(jnp.float32)`)."
         )
+    check_metric_names(metrics)
     for name, value in metrics.items():
         if not isinstance(value, (bool, int, float)) and jnp.shape(value) != ():
             raise TrainStepError(
@@ -88,6 +89,66 @@ def check_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
                 f"the metrics."
             )
     return loss, metrics
+
+
+RESERVED_METRICS = ("loss", "grad_norm", "skipped")
+"""The metrics the train step reports itself; a loss function's metrics may not reuse them."""
+
+
+def check_metric_names(metrics: dict[str, Any]) -> None:
+    """Refuse a loss function's metric that would replace one the step reports (a
+    `loss` shown for the real loss, a `skipped` hiding a skipped step).
+
+    **Raises:**
+
+    `TrainStepError` naming the metric.
+    """
+    taken = [name for name in metrics if name in RESERVED_METRICS]
+    if taken:
+        raise TrainStepError(
+            f"make_train_step: the loss function's metric(s) {', '.join(map(repr, taken))} "
+            f"would replace the step's own ({', '.join(RESERVED_METRICS)} are reserved: the "
+            f"step reports the loss it differentiates, the gradient norm and whether the "
+            f"update was skipped); rename them (e.g. 'my_{taken[0]}')."
+        )
+
+
+def check_loss_form(loss_fn: Callable, stateful: bool) -> None:
+    """Refuse a loss function whose positional parameters do not fit the form the step
+    calls it in: `loss_fn(model, batch, key)`, or with a model state
+    `loss_fn(model, state, batch, key)` (`index` aside). A signature that cannot be read
+    (`*args`, a builtin) is let through.
+
+    **Raises:**
+
+    `TrainStepError` naming the form, the parameters and the fix.
+    """
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return
+    names = [p.name for p in params if p.kind in kinds and p.name != "index"]
+    required = [p.name for p in params if p.kind in kinds and p.name != "index" and p.default is p.empty]
+    want = 4 if stateful else 3
+    if len(required) <= want <= len(names):
+        return
+    if stateful:
+        raise TrainStepError(
+            f"make_train_step: the train state carries a model state (eqx.nn.State), so the "
+            f"loss is called as loss_fn(model, state, batch, key) -> (loss, (metrics, "
+            f"new_state)); this loss function takes ({', '.join(names)}). "
+            f"Write it as loss_fn(model, state, batch, key), or build the state from a model "
+            f"without a state."
+        )
+    raise TrainStepError(
+        f"make_train_step: the train state carries no model state, so the loss is called as "
+        f"loss_fn(model, batch, key) -> (loss, metrics); this loss function takes "
+        f"({', '.join(names)}). Write it as "
+        f"loss_fn(model, batch, key), or build the state with `eqx.nn.make_with_state`."
+    )
 
 
 def check_stateful_output(out: Any, old_state: eqx.nn.State) -> tuple[Any, dict[str, Any], eqx.nn.State]:
@@ -214,6 +275,7 @@ class LossAdapter:
         With a `model_state`, the stateful form is called and its new state returned.
         """
         kwargs = {"index": index} if self.with_index else {}
+        check_loss_form(self.loss_fn, stateful=model_state is not None)
         if model_state is None:
             loss, metrics = check_loss_output(self.loss_fn(model, batch, key, **kwargs))
             return data_mean(loss, self.data_axes), (data_mean(metrics, self.data_axes), None)

@@ -81,6 +81,30 @@ def _floating(name: str, dtype: Any) -> Any:
     return None if dtype is None else jnp.dtype(dtype)
 
 
+def _refuse_unscaled(dtype: Any) -> None:
+    """Refuse compute dtypes that need scaling the step does not do: float16 (no loss
+    scaling: its gradients underflow and its activations overflow, so steps would be
+    skipped silently) and the 8-bit floats (no per-tensor scales; they are storage
+    formats for an fp8 policy, not a dtype to compute a whole loss in)."""
+    if dtype is None:
+        return
+    name = jnp.dtype(dtype).name
+    if name == "float16":
+        raise LayerConfigError(
+            "MixedPrecision: compute_dtype=float16 is not supported: the step does no loss "
+            "scaling, without which float16 gradients underflow and its activations overflow "
+            "(every step would be skipped as non-finite). Use MixedPrecision(jnp.bfloat16) "
+            "(float32's range, no scaling needed)."
+        )
+    if jnp.finfo(dtype).bits < 16:
+        raise LayerConfigError(
+            f"MixedPrecision: compute_dtype={name} is an 8-bit (or smaller) float: a loss "
+            f"cannot be computed in it without per-tensor scales, which the step does not "
+            f"keep. Use MixedPrecision(jnp.bfloat16); fp8 matmuls belong to an fp8 precision "
+            f"policy (scaled per tensor), not to the compute dtype."
+        )
+
+
 class MixedPrecision(Precision):
     """Float32 master weights and optimizer state; the loss computed in `compute_dtype`.
 
@@ -124,6 +148,7 @@ class MixedPrecision(Precision):
                 "MixedPrecision: compute_dtype must be a floating dtype (e.g. jnp.bfloat16); "
                 "for no cast use the default policy, equishard.train.FULL_PRECISION."
             )
+        _refuse_unscaled(compute)
         gather = _floating("gather_dtype", gather_dtype)
         reduce = _floating("reduce_dtype", reduce_dtype)
         reduce = jnp.dtype(jnp.float32) if reduce is None else reduce

@@ -45,7 +45,7 @@ from ._loss import LossAdapter, LossFn, describe
 from ._opt_sharding import OptStateSharding, bind_opt_sharding
 from ._precision import Precision, check_precision
 from ._state import TrainState, init_train_state
-from ._update import all_finite, clip, guarded_update, traced_once
+from ._update import all_finite, check_optimizer_state, clip, guarded_update, traced_once
 
 Metrics = dict[str, Any]
 
@@ -129,6 +129,7 @@ def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any, mod
 def step_body(parts: _Parts, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
     """One step: gradients, then the guarded update, on `state` and the global `batch`."""
     key = jax.random.fold_in(state.key, state.step)
+    check_optimizer_state(parts.optimizer, state.model, state.opt_state)
     parts.layout.check(state.opt_state)
     loss, metrics, grad_norm, grads, model_state = compute_gradients(
         parts, state.model, batch, key, state.model_state

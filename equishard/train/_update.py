@@ -186,3 +186,29 @@ def guarded_update(
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite(checked)
     new_model, opt_state = _apply_if(ok, update, grads, opt_state, old_model)
     return layout.restore(new_model, model), opt_state, ok
+
+
+def check_optimizer_state(optimizer: optax.GradientTransformation, model: PyTree, opt_state: PyTree) -> None:
+    """Refuse a train state whose optimizer state was built by another optimizer (its
+    structure is not the one `optimizer.init` gives for `model`), before optax fails
+    inside its update. Abstract (`jax.eval_shape`): nothing is computed.
+
+    **Raises:**
+
+    `TrainStepError` naming the two structures' kinds.
+    """
+    from ..sharding import Sharded
+
+    def box(x: Any) -> bool:  # a box is one leaf: ZeRO changes its spec, not the structure
+        return isinstance(x, Sharded)
+
+    expected = jax.eval_shape(optimizer.init, eqx.filter(model, eqx.is_inexact_array))
+    want, got = jax.tree.structure(expected, is_leaf=box), jax.tree.structure(opt_state, is_leaf=box)
+    if want != got:
+        raise TrainStepError(
+            f"make_train_step: the train state's optimizer state does not fit this step's "
+            f"optimizer: it holds {type(opt_state).__name__} with {got.num_leaves} arrays, "
+            f"where the optimizer's init gives {type(expected).__name__} with "
+            f"{want.num_leaves}; the state was built for another optimizer. Build the state "
+            f"with `init_train_state` and the optimizer the step is made with."
+        )
