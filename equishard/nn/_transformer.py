@@ -40,7 +40,9 @@ from .._names import CONTEXT_IMPLS, RING, ZIGZAG
 from ..core import (
     alltoall_attention,
     attention as attention_kernel,
+    dense_attention,
     gather_tokens,
+    merge_attention,
     mp_copy,
     ring_attention,
 )
@@ -576,6 +578,63 @@ class ParallelAttention(eqx.Module):
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return checkpoint_name(self.proj(out), OUT_PROJ)
 
+    def cached(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        *,
+        positions: Int[Array, "batch seq"],
+        cache: tuple[Array, Array] | None = None,
+    ) -> tuple[Float[Array, "batch seq d_model"], tuple[Array, Array]]:
+        """Attention for generation, with a key/value cache ("megatron" style, no context axis).
+
+        Without `cache` (the prefill), the tokens attend causally among themselves, as
+        in `__call__`. With it (a decode step), each row's new tokens attend to the
+        cache's slots before the row's first new position and causally among
+        themselves; the slots from that position on (padding, or not yet written) are
+        masked. The new tokens' keys and values are returned, not written: the caller
+        writes them into its cache.
+
+        **Arguments:**
+
+        - `x`: `[B, S, d_model]`, replicated over the axis.
+        - `positions`: `[B, S]`, each row's positions of its `S` tokens (consecutive).
+        - `cache`: `(keys, values)`, each this device's `[B, L, Hkv_local, head_dim]`
+          (rotated keys; slot `i` holds position `i`), or `None`.
+
+        **Returns:**
+
+        `(y, (k, v))`: the output `[B, S, d_model]` and the new tokens' rotated keys and
+        values, each `[B, S, Hkv_local, head_dim]`.
+
+        **Raises:**
+
+        `LayerConfigError` for a sequence-parallel layer or one with a bound context axis.
+        """
+        cp = self.context_axis_name
+        if self.style == "sequence" or (cp is not None and is_bound(cp)):
+            raise LayerConfigError(
+                f"ParallelAttention.cached: generation runs with style='megatron' and no "
+                f"context axis; this layer has style={self.style!r}, context axis {cp!r}."
+            )
+        q, k, v = self.qkv_heads(x)
+        if self.rotary:
+            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions)
+            q, k = _rotate(q, *table), _rotate(k, *table)
+        if cache is None:
+            # f32[B, S, H/n, hd], f32[B, S, Hkv_local, hd] -> f32[B, S, H/n, hd]
+            out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+        else:
+            keys, values = cache  # f32[B, L, Hkv_local, hd] each
+            # The slots before each row's first new position: a query "at" that position
+            # minus one sees them, and no later slot.
+            first = jnp.broadcast_to(positions[:, :1] - 1, positions.shape)
+            slots = jnp.arange(keys.shape[-3], dtype=jnp.int32)
+            past, past_lse = dense_attention(q, keys, values, q_positions=first, kv_positions=slots)
+            own, own_lse = dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
+            out = merge_attention(past, past_lse, own, own_lse)[0]
+        # f32[B, S, D/n] @ f32[D/n, D] -> f32[B, S, D]
+        return self.proj(out.reshape(*out.shape[:-2], -1)), (k, v)
+
 
 class ParallelMLP(eqx.Module):
     """The transformer's MLP: column-parallel up-projection, activation, row-parallel down.
@@ -810,3 +869,31 @@ class TransformerBlock(eqx.Module):
             y, aux = self.mlp(h)
             return x + y, aux
         return x + self.mlp(h), None
+
+    def cached(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        *,
+        positions: Int[Array, "batch seq"],
+        cache: tuple[Array, Array] | None = None,
+    ) -> tuple[Float[Array, "batch seq d_model"], tuple[Array, Array]]:
+        """The block for generation: its attention reads a key/value cache
+        (`ParallelAttention.cached`, whose arguments these are).
+
+        **Returns:**
+
+        `(y, (k, v))`: the block's output `[B, S, d_model]` and the new tokens' keys and
+        values for the cache.
+
+        **Raises:**
+
+        `LayerConfigError` for a block with an MoE layer or sequence parallelism.
+        """
+        if isinstance(self.mlp, MoE):
+            raise LayerConfigError(
+                "TransformerBlock.cached: generation with a mixture-of-experts block is "
+                "not supported."
+            )
+        a, kv = self.attn.cached(self.norm1(x), positions=positions, cache=cache)
+        x = x + a
+        return x + self.mlp(self.norm2(x)), kv
