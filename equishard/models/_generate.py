@@ -3,7 +3,7 @@
 The prompts are prefilled in one pass; then one compiled decode step per token runs
 every layer on one new token a row, its attention reading the cache
 (`equishard.nn.TransformerBlock.cached`). The cache is preallocated to the maximum
-length, `[layers, B, L, kv_slots, head_dim]` for the keys and the values, split over
+length, per layer `[B, kv_slots, L, head_dim]` for the keys and the values, split over
 the batch on the data axes and over the key/value heads on the tensor axis (with more
 tensor devices than key/value heads, one slot per device, each holding the head its
 query heads read: replicated as the weights are). Sampling keys are per row and per
@@ -13,6 +13,7 @@ position, so a seeded generation does not depend on the layout or on the batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -110,29 +111,44 @@ def _has_axis(tree: Any, axis: str) -> bool:
     return any(is_sharded(b) and axis in spec_axes(b.spec) for b in boxes)
 
 
-def _stack(
-    model: GPT, x: Array, positions: Array, cache: tuple[Array, Array] | None
-) -> tuple[Array, tuple[Array, Array]]:
-    """The blocks on `x` `[B, S, D]` (local view), one layer an iteration of a scan.
+def unstack_units(model: GPT) -> GPT:
+    """`model` with its stacked units as a tuple of layers (outside `jit`, global arrays).
 
-    Under fsdp each layer's parameters are all-gathered in its iteration, as in training
-    (nothing is gathered for parameters already whole). `cache`: `(k, v)`, each
-    `[layers, B, L, Hkv_local, hd]`, or `None` (prefill). Returns the hidden states and
-    the new keys and values `[layers, B, S, Hkv_local, hd]`.
+    A decode step runs the layers as straight-line code on these: each matrix product
+    reads its layer's weights where they lie (a scan over the stack copies each layer's
+    slice out first, reading the weights three times over). Compile time grows with
+    depth.
+    """
+    units = model.units
+    layers = tuple(
+        drop_leading_axis(jax.tree.map(lambda x, i=i: x[i] if eqx.is_array(x) else x, units))
+        for i in range(model.config.n_layers)
+    )
+    return eqx.tree_at(lambda m: m.units, model, layers)
+
+
+def _stack(
+    model: GPT, x: Array, positions: Array, cache: Any = None, slot: Any = None, seen: Any = None
+) -> tuple[Array, Any]:
+    """The blocks on `x` `[B, S, D]` (local view), the layers of `unstack_units` in turn.
+
+    Under fsdp each layer's parameters are all-gathered before it runs, as in training
+    (nothing is gathered for parameters already whole). `cache`: per layer `(k, v)`,
+    each `[B, Hkv_local, L, hd]`, or `None` (prefill); `slot`, `seen`: see
+    `TransformerBlock.cached`. Returns the hidden states and per layer the new keys and
+    values `[B, S, Hkv_local, hd]` (prefill) or the written cache.
     """
     fsdp = model.parallelism.fsdp
-    params, static = eqx.partition(model.units, eqx.is_array)
-
-    def body(x: Array, xs: Any) -> tuple[Array, tuple[Array, Array]]:
-        layer, kv = xs
-        unit = drop_leading_axis(eqx.combine(layer, static))
+    out = []
+    for i, unit in enumerate(model.units):
         if isinstance(unit, FSDP):
             unit = unit.module
             if fsdp is not None and is_bound(fsdp) and _has_axis(unit, fsdp):
                 unit = fsdp_gather_params(unit, fsdp)
-        return unit.blocks[0].cached(x, positions=positions, cache=kv)
-
-    return jax.lax.scan(body, x, (params, cache))
+        layer_cache = None if cache is None else cache[i]
+        x, kv = unit.blocks[0].cached(x, positions=positions, cache=layer_cache, slot=slot, seen=seen)
+        out.append(kv)
+    return x, tuple(out)
 
 
 def _full_logits(model: GPT, h: Array) -> Float[Array, "batch vocab"]:
@@ -163,33 +179,36 @@ def _prefill(
     """Local view: `ids` `int32[B/data, S]` (right-padded), `lengths` `int32[B/data]`.
 
     Returns each row's first new token `int32[B/data]`, its logits `f32[B/data, V]` and
-    the cache `(k, v)`, each `[layers, B/data, L, Hkv_local, hd]` (slots from a row's
+    the cache, per layer `(k, v)`, each `[B/data, Hkv_local, L, hd]` (slots from a row's
     length on hold padding, masked until overwritten).
     """
     batch, seq = ids.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     x = model._gathered(model.embed, ids)(ids)  # f32[B, S, D]
-    x, (k, v) = _stack(model, x, positions, None)
-    pad = ((0, 0), (0, 0), (0, max_len - seq), (0, 0), (0, 0))
-    cache = (jnp.pad(k, pad), jnp.pad(v, pad))
+    x, kvs = _stack(model, x, positions)
+    # f32[B, S, Hkv, hd] -> f32[B, Hkv, L, hd] per layer
+    pad = ((0, 0), (0, 0), (0, max_len - seq), (0, 0))
+    cache = jax.tree.map(lambda a: jnp.pad(jnp.swapaxes(a, 1, 2), pad), kvs)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # f32[B, 1, D]
     logits = _full_logits(model, last)
     return _draw(logits, keys, lengths, sampling, vocab_limit), logits, cache
 
 
 def _decode(
-    model: GPT, cache: tuple[Array, Array], tokens: Array, positions: Array, keys: Array, *,
-    sampling: Sampling, vocab_limit: int,
-) -> tuple[Array, Array, tuple[Array, Array]]:  # fmt: skip
+    model: GPT, cache: Any, tokens: Array, positions: Array, lengths: Array, slot: Array,
+    prefilled: Array, keys: Array, *, sampling: Sampling, vocab_limit: int,
+) -> tuple[Array, Array, Any]:  # fmt: skip
     """Local view: feed `tokens` `int32[B/data]` at `positions` `int32[B/data]`.
 
-    Returns the next tokens (at `positions + 1`), their logits `f32[B/data, V]` and the
-    cache with the fed tokens' keys and values written at their positions.
+    Every row's token is written into cache slot `slot` (a scalar: one in-place update
+    for the batch); a row sees its prompt's slots (`< lengths[b]`) and the decoded ones
+    (`prefilled` up to `slot`) and its new token. Returns the next tokens (at `positions + 1`), their logits
+    `f32[B/data, V]` and the written cache.
     """
     x = model._gathered(model.embed, tokens)(tokens[:, None])  # f32[B, 1, D]
-    x, (k, v) = _stack(model, x, positions[:, None], cache)  # k, v [layers, B, 1, Hkv, hd]
-    rows = jnp.arange(tokens.shape[0])
-    cache = (cache[0].at[:, rows, positions].set(k[:, :, 0]), cache[1].at[:, rows, positions].set(v[:, :, 0]))
+    slots = jnp.arange(cache[0][0].shape[2], dtype=jnp.int32)[None, :]
+    seen = (slots < lengths[:, None]) | ((slots >= prefilled) & (slots < slot))  # bool[B, L]
+    x, cache = _stack(model, x, positions[:, None], cache, slot, seen[:, None, :])
     logits = _full_logits(model, x)
     return _draw(logits, keys, positions + 1, sampling, vocab_limit), logits, cache
 
@@ -238,12 +257,9 @@ def _check_prompts(prompts: Sequence[Sequence[int]], max_len: int, vocab: int) -
 
 
 def _prefill_length(longest: int, max_len: int) -> int:
-    """The prefill's padded length: a power of two (from 8) at least `longest`, at most
-    `max_len`, so that prompts of many lengths share a few compilations."""
-    size = 8
-    while size < longest:
-        size *= 2
-    return min(size, max_len)
+    """The prefill's padded length: `longest` rounded up to a multiple of 16, at most
+    `max_len - 1`, so that prompts of many lengths share a few compilations."""
+    return min(-(-longest // 16) * 16, max_len - 1)
 
 
 class Generator:
@@ -294,6 +310,7 @@ class Generator:
         if gather == "once" and par.fsdp is not None and _has_axis(model, par.fsdp):
             # Re-placed without the fsdp axis in its specs: an all-gather, once.
             model = shard(restrict_specs(model, [a for a in mesh.axis_names if a != par.fsdp]), mesh)
+        model = unstack_units(model)
         self.model, self.mesh, self.max_len, self.sampling = model, mesh, max_len, sampling
         self.vocab_limit = vocab if vocab_size is None else vocab_size
         self.arrays, static = eqx.partition(model, eqx.is_array)
@@ -301,17 +318,18 @@ class Generator:
         self.data_size = int(np.prod([mesh.shape[a] for a in data]))
         self.batch_spec = P(data or None)
         tp = TP if TP in mesh.axis_names else None
-        self.cache_spec = P(None, data or None, None, tp, None)
+        self.cache_spec = P(data or None, tp, None, None)
         opts = {"sampling": sampling, "vocab_limit": self.vocab_limit}
         prefill = filter_shard_map(
             lambda m, ids, lengths, keys: _prefill(m, ids, lengths, keys, max_len=max_len, **opts),
             mesh=mesh, in_specs=(None, self.batch_spec, self.batch_spec, self.batch_spec),
             out_specs=(self.batch_spec, self.batch_spec, self.cache_spec),
         )  # fmt: skip
+        rows, scalar = self.batch_spec, P()
         decode = filter_shard_map(
-            lambda m, cache, tokens, positions, keys: _decode(m, cache, tokens, positions, keys, **opts),
-            mesh=mesh, in_specs=(None, self.cache_spec, self.batch_spec, self.batch_spec, self.batch_spec),
-            out_specs=(self.batch_spec, self.batch_spec, self.cache_spec),
+            lambda m, cache, *args: _decode(m, cache, *args, **opts),
+            mesh=mesh, in_specs=(None, self.cache_spec, rows, rows, rows, scalar, scalar, rows),
+            out_specs=(rows, rows, self.cache_spec),
         )  # fmt: skip
         self.prefill = jax.jit(lambda arrays, *args: prefill(eqx.combine(arrays, static), *args))
         self.decode = jax.jit(
@@ -320,7 +338,7 @@ class Generator:
         )
 
     def _put(self, x: np.ndarray, spec: P | None = None) -> Array:
-        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec or self.batch_spec))
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, self.batch_spec if spec is None else spec))
 
     def padded_batch(self, n: int) -> int:
         """The batch `n` prompts run in: `n` rounded up to a multiple of the data axes' size."""
@@ -328,12 +346,13 @@ class Generator:
 
     def compiled_decode(self, batch: int) -> Any:
         """The decode step compiled for `batch` rows (for its cost and memory analysis)."""
-        model = self.model.config
-        shape = (model.n_layers, batch, self.max_len, *self._cache_heads())
-        cache = jax.ShapeDtypeStruct(shape, jax.tree.leaves(self.arrays)[0].dtype)
+        slots, head_dim = self._cache_heads()
+        one = jax.ShapeDtypeStruct((batch, slots, self.max_len, head_dim), jax.tree.leaves(self.arrays)[0].dtype)
+        cache = ((one, one),) * self.model.config.n_layers
         rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
         keys = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
-        return self.decode.lower(self.arrays, (cache, cache), rows, rows, keys).compile()
+        return self.decode.lower(self.arrays, cache, rows, rows, rows, scalar, scalar, keys).compile()
 
     def _cache_heads(self) -> tuple[int, int]:
         """The cache's global `(kv_slots, head_dim)`."""
@@ -353,7 +372,9 @@ class Generator:
 
         - `prompts`: token ids, one sequence per prompt, of any lengths (at least one
           token each, fewer than `max_len`).
-        - `max_new_tokens`: the most tokens a row gets (fewer where `max_len` is reached).
+        - `max_new_tokens`: the most tokens a row gets: at most `max_len` less the
+          prefill's length (the longest prompt rounded up to a multiple of 16), the
+          cache's slots left for decoding.
         - `key`: the sampling key of every row (default `jax.random.key(0)`); rows with
           the same prompt and key draw the same tokens. `keys`: one key per prompt
           instead. A row's draw at position `t` uses `fold_in(its key, t)`, whatever
@@ -382,21 +403,26 @@ class Generator:
         key_data = np.stack([np.asarray(jax.random.key_data(k)) for k in row_keys + row_keys[:1] * (b - n)])
         rows = rows + rows[:1] * (b - n)  # padding rows: their tokens are dropped
         lengths = np.array([len(r) for r in rows], np.int32)
-        ids = np.zeros((b, _prefill_length(int(lengths.max()), self.max_len)), np.int32)
+        prefilled = _prefill_length(int(lengths.max()), self.max_len)
+        ids = np.zeros((b, prefilled), np.int32)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = r
-        state = _Rows(n, lengths, self.max_len, max_new_tokens, set(stop_tokens), record_logits, on_token)
+        room = self.max_len - prefilled
+        state = _Rows(n, min(max_new_tokens, room), set(stop_tokens), record_logits, on_token)
         start = time.perf_counter()
-        kd = self._put(key_data)
-        tokens, logits, cache = self.prefill(self.arrays, self._put(ids), self._put(lengths), kd)
+        kd, lengths_d = self._put(key_data), self._put(lengths)
+        tokens, logits, cache = self.prefill(self.arrays, self._put(ids), lengths_d, kd)
         state.take(np.asarray(tokens), logits)
         prefill_s, steps = time.perf_counter() - start, 0
-        positions = lengths.copy()  # the position of the token each row feeds next
+        scalar = functools.partial(self._put, spec=P())
         while not state.finished():
-            fed = self._put(np.minimum(positions, self.max_len - 1))
-            tokens, logits, cache = self.decode(self.arrays, cache, tokens, fed, kd)
+            # Every row feeds the token at position lengths[b] + steps into slot
+            # prefilled + steps (< max_len: `room` bounds the new tokens).
+            tokens, logits, cache = self.decode(
+                self.arrays, cache, tokens, self._put(lengths + steps), lengths_d,
+                scalar(np.int32(prefilled + steps)), scalar(np.int32(prefilled)), kd,
+            )  # fmt: skip
             state.take(np.asarray(tokens), logits)
-            positions += 1
             steps += 1
         return Generation(
             state.tokens, state.stopped, state.logits_per_row(), prefill_s,
@@ -407,8 +433,8 @@ class Generator:
 class _Rows:
     """The host's bookkeeping of a generation: each row's tokens, and which have ended."""
 
-    def __init__(self, n: int, lengths: np.ndarray, max_len: int, max_new: int, stop: set[int], record: bool, on_token: Any):
-        self.n, self.lengths, self.max_len, self.max_new = n, lengths, max_len, max_new
+    def __init__(self, n: int, max_new: int, stop: set[int], record: bool, on_token: Any):
+        self.n, self.max_new = n, max_new
         self.stop, self.on_token = stop, on_token
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.stopped = [False] * n
@@ -427,8 +453,7 @@ class _Rows:
             if self.on_token is not None:
                 self.on_token(i, token)
             self.stopped[i] = token in self.stop
-            full = len(self.tokens[i]) >= self.max_new or self.lengths[i] + len(self.tokens[i]) >= self.max_len
-            self.done[i] = self.stopped[i] or full
+            self.done[i] = self.stopped[i] or len(self.tokens[i]) >= self.max_new
 
     def finished(self) -> bool:
         return all(self.done)
