@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -175,7 +175,7 @@ def _draw(logits: Array, keys: Array, positions: Array, sampling: Sampling, voca
 
 def _prefill(
     model: GPT, ids: Array, lengths: Array, keys: Array, *, max_len: int, sampling: Sampling, vocab_limit: int
-) -> tuple[Array, Array, tuple[Array, Array]]:
+) -> tuple[Array, Array, Any]:
     """Local view: `ids` `int32[B/data, S]` (right-padded), `lengths` `int32[B/data]`.
 
     Returns each row's first new token `int32[B/data]`, its logits `f32[B/data, V]` and
@@ -292,7 +292,7 @@ class Generator:
 
     def __init__(
         self, model: GPT, mesh: Mesh, *, max_len: int, sampling: Sampling = Sampling(),
-        gather: Literal["once", "per_layer"] = "once", vocab_size: int | None = None,
+        gather: str = "once", vocab_size: int | None = None,
     ):  # fmt: skip
         _check_model(model)
         sampling.check()
@@ -337,8 +337,15 @@ class Generator:
             donate_argnums=(1,),
         )
 
-    def _put(self, x: np.ndarray, spec: P | None = None) -> Array:
+    def _put(self, x: Any, spec: P | None = None) -> Array:
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, self.batch_spec if spec is None else spec))
+
+    def compilations(self) -> dict[str, int]:
+        """How many programs the prefill and the decode step have compiled so far."""
+        return {
+            "prefill": self.prefill._cache_size(),  # pyright: ignore[reportAttributeAccessIssue]
+            "decode": self.decode._cache_size(),  # pyright: ignore[reportAttributeAccessIssue]
+        }
 
     def padded_batch(self, n: int) -> int:
         """The batch `n` prompts run in: `n` rounded up to a multiple of the data axes' size."""
@@ -465,7 +472,7 @@ class _Rows:
 def generate(
     model: GPT, mesh: Mesh, prompts: Sequence[Sequence[int]], *, max_len: int, max_new_tokens: int,
     sampling: Sampling = Sampling(), key: PRNGKeyArray | None = None, stop_tokens: Sequence[int] = (),
-    gather: Literal["once", "per_layer"] = "once", vocab_size: int | None = None,
+    gather: str = "once", vocab_size: int | None = None,
 ) -> Generation:  # fmt: skip
     """Continue `prompts` with `model` on `mesh`, with a key/value cache.
 

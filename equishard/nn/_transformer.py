@@ -674,7 +674,7 @@ class ParallelAttention(eqx.Module):
             # cache to keep the read's values)
             k, v = after((k, v), out, unboxed=True)
             kv = tuple(
-                jax.lax.dynamic_update_slice(c, jnp.swapaxes(n, 1, 2).astype(c.dtype), (0, 0, slot, 0))
+                jax.lax.dynamic_update_slice(c, _head_major(n).astype(c.dtype), (0, 0, slot, 0))
                 for c, n in zip(cache, (k, v))
             )
         # f32[B, S, D/n] @ f32[D/n, D] -> f32[B, S, D]
@@ -698,6 +698,13 @@ class ParallelAttention(eqx.Module):
             kv = self.kv(x)
             kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
+
+
+def _head_major(x: Array) -> Array:
+    """`[B, S, H, hd] -> [B, H, S, hd]` (a reshape for one token: no transpose to fuse)."""
+    if x.shape[1] == 1:
+        return x.reshape(x.shape[0], x.shape[2], 1, x.shape[3])
+    return jnp.swapaxes(x, 1, 2)
 
 
 def _attend_cache(q: Array, keys: Array, values: Array, seen: Array) -> tuple[Array, Array]:
