@@ -7,7 +7,11 @@ shared by the tests.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import math
+import shutil
 
 import equinox as eqx
 import jax
@@ -16,6 +20,8 @@ import numpy as np
 import pytest
 
 import equishard as es
+from equishard._app import TrainConfig, run as train
+from equishard._app._generate import evaluate_run, generate_from_run
 from equishard.models import GPT, Generator, GPTConfig, Sampling, sample_token
 from equishard.models._internal import to_single_device
 
@@ -180,3 +186,50 @@ def test_pipeline_refused_by_name():
     model = eqx.filter_eval_shape(lambda: GPT(CONFIG, layout.parallelism, key=jax.random.key(0)))
     with pytest.raises(es.GenerationError, match="pipeline"):
         Generator(model, layout.mesh(), max_len=MAX_LEN)
+
+
+TINY_RUN = TrainConfig(
+    model="tiny", layout="dp=2,fsdp=2,tp=2", steps=2, batch_size=8, seq_len=32, eval_every=2,
+    eval_batches=3, checkpoint_every=2, log_every=2, sample_bytes=0, progress=False, plot=False,
+    tensorboard=False, seed=3,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("gen") / "run"
+    train(dataclasses.replace(TINY_RUN, run_dir=str(run_dir)), print_fn=lambda line: None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, [r for r in rows if "val_loss" in r][-1]
+
+
+def test_evaluate_run_reproduces_its_validation_row(finished_run):
+    run_dir, row = finished_run
+    result = evaluate_run(run_dir)
+    assert result["step"] == row["step"] == TINY_RUN.steps
+    assert abs(result["loss"] - row["val_loss"]) <= 1e-6
+    assert result["perplexity"] == pytest.approx(math.exp(row["val_loss"]), rel=1e-6)
+    assert result["tokens"] == 3 * 8 * 32
+    # Under another layout, the same windows: the same loss to the layouts' rounding.
+    other = evaluate_run(run_dir, layout="tp=4,dp=2", batches=3, seed=TINY_RUN.seed)
+    assert other["loss"] == pytest.approx(row["val_loss"], rel=FP32_RTOL)
+    whole = evaluate_run(run_dir, whole_split=True)
+    assert whole["batches"] >= 1 and math.isfinite(whole["loss"])
+
+
+def test_generate_from_run(finished_run):
+    run_dir, _ = finished_run
+    out = generate_from_run(run_dir, ["def ", "import o"], max_new_tokens=12, layout="dp=2,tp=4")
+    assert [len(t) for t in out["tokens"]] == [12, 12]
+    assert all(0 <= t < 256 for row in out["tokens"] for t in row)
+    with pytest.raises(es.GenerationError, match="single bytes"):
+        generate_from_run(run_dir, ["x"], stop=["ab"])
+
+
+def test_run_without_verified_checkpoint_named(finished_run, tmp_path):
+    run_dir, _ = finished_run
+    shutil.copy(run_dir / "config.toml", tmp_path / "config.toml")
+    with pytest.raises(es.GenerationError, match="no verified checkpoint"):
+        evaluate_run(tmp_path)
+    with pytest.raises(es.GenerationError, match="config.toml"):
+        evaluate_run(tmp_path / "nothing")
