@@ -190,7 +190,7 @@ def test_pipeline_refused_by_name():
 
 TINY_RUN = TrainConfig(
     model="tiny", layout="dp=2,fsdp=2,tp=2", steps=2, batch_size=8, seq_len=32, eval_every=2,
-    eval_batches=3, checkpoint_every=2, log_every=2, sample_bytes=0, progress=False, plot=False,
+    eval_batches=3, checkpoint_every=2, log_every=2, sample_bytes=8, progress=False, plot=False,
     tensorboard=False, seed=3,
 )  # fmt: skip
 
@@ -198,7 +198,8 @@ TINY_RUN = TrainConfig(
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen") / "run"
-    train(dataclasses.replace(TINY_RUN, run_dir=str(run_dir)), print_fn=lambda line: None)
+    summary = train(dataclasses.replace(TINY_RUN, run_dir=str(run_dir)), print_fn=lambda line: None)
+    assert summary["sample"]  # 8 bytes by the cached path (`sample_text`)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, [r for r in rows if "val_loss" in r][-1]
 
