@@ -173,14 +173,21 @@ def _draw(logits: Array, keys: Array, positions: Array, sampling: Sampling, voca
     return jax.vmap(one)(logits, keys, positions)
 
 
+def _whole_batch(model: GPT, tokens: Array) -> Array:
+    """`int32[B/data] -> int32[B]`, the same on every device: every process can read the
+    tokens (a few bytes a row) without a collective of its own."""
+    data = tuple(a for a in model.parallelism.data_axes if is_bound(a))
+    return mp_gather(tokens, 0, axis_name=data) if data else tokens
+
+
 def _prefill(
     model: GPT, ids: Array, lengths: Array, keys: Array, *, max_len: int, sampling: Sampling, vocab_limit: int
 ) -> tuple[Array, Array, Any]:
     """Local view: `ids` `int32[B/data, S]` (right-padded), `lengths` `int32[B/data]`.
 
-    Returns each row's first new token `int32[B/data]`, its logits `f32[B/data, V]` and
-    the cache, per layer `(k, v)`, each `[B/data, Hkv_local, L, hd]` (slots from a row's
-    length on hold padding, masked until overwritten).
+    Returns every row's first new token `int32[B]` (whole on every device), its logits
+    `f32[B/data, V]` and the cache, per layer `(k, v)`, each `[B/data, Hkv_local, L, hd]`
+    (slots from a row's length on hold padding, masked until overwritten).
     """
     batch, seq = ids.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -191,7 +198,7 @@ def _prefill(
     cache = jax.tree.map(lambda a: jnp.pad(jnp.swapaxes(a, 1, 2), pad), kvs)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # f32[B, 1, D]
     logits = _full_logits(model, last)
-    return _draw(logits, keys, lengths, sampling, vocab_limit), logits, cache
+    return _whole_batch(model, _draw(logits, keys, lengths, sampling, vocab_limit)), logits, cache
 
 
 def _decode(
@@ -202,15 +209,16 @@ def _decode(
 
     Every row's token is written into cache slot `slot` (a scalar: one in-place update
     for the batch); a row sees its prompt's slots (`< lengths[b]`) and the decoded ones
-    (`prefilled` up to `slot`) and its new token. Returns the next tokens (at `positions + 1`), their logits
-    `f32[B/data, V]` and the written cache.
+    (`prefilled` up to `slot`) and its new token. Returns the next tokens `int32[B]` (at
+    `positions + 1`, whole on every device), their logits `f32[B/data, V]` and the
+    written cache.
     """
     x = model._gathered(model.embed, tokens)(tokens[:, None])  # f32[B, 1, D]
     slots = jnp.arange(cache[0][0].shape[2], dtype=jnp.int32)[None, :]
     seen = (slots < lengths[:, None]) | ((slots >= prefilled) & (slots < slot))  # bool[B, L]
     x, cache = _stack(model, x, positions[:, None], cache, slot, seen[:, None, :])
     logits = _full_logits(model, x)
-    return _draw(logits, keys, positions + 1, sampling, vocab_limit), logits, cache
+    return _whole_batch(model, _draw(logits, keys, positions + 1, sampling, vocab_limit)), logits, cache
 
 
 @dataclasses.dataclass
@@ -323,13 +331,13 @@ class Generator:
         prefill = filter_shard_map(
             lambda m, ids, lengths, keys: _prefill(m, ids, lengths, keys, max_len=max_len, **opts),
             mesh=mesh, in_specs=(None, self.batch_spec, self.batch_spec, self.batch_spec),
-            out_specs=(self.batch_spec, self.batch_spec, self.cache_spec),
+            out_specs=(P(), self.batch_spec, self.cache_spec),
         )  # fmt: skip
         rows, scalar = self.batch_spec, P()
         decode = filter_shard_map(
             lambda m, cache, *args: _decode(m, cache, *args, **opts),
             mesh=mesh, in_specs=(None, self.cache_spec, rows, rows, rows, scalar, scalar, rows),
-            out_specs=(rows, rows, self.cache_spec),
+            out_specs=(scalar, rows, self.cache_spec),
         )  # fmt: skip
         self.prefill = jax.jit(lambda arrays, *args: prefill(eqx.combine(arrays, static), *args))
         self.decode = jax.jit(
