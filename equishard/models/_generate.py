@@ -275,7 +275,10 @@ class Generator:
 
     The decode step is compiled once per batch size (the prompts' count rounded up to a
     multiple of the data-parallel size) for the generator's `max_len`; the prefill once
-    per batch size and padded prompt length (a power of two, see `generate`).
+    per batch size and padded prompt length (a multiple of 16, see `generate`). The
+    generator holds its own copy of the parameters, the layers taken out of the stack
+    (and, with `gather="once"`, whole over fsdp): drop the training state's model to
+    free its memory.
 
     **Arguments:**
 
