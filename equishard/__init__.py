@@ -17,6 +17,7 @@ from ._errors import (
     ConventionError as ConventionError,
     DistributedError as DistributedError,
     EquishardError as EquishardError,
+    GenerationError as GenerationError,
     LayerConfigError as LayerConfigError,
     MeshError as MeshError,
     SpecError as SpecError,

@@ -52,3 +52,9 @@ class TrainStepError(EquishardError):
 
 class TrainingError(EquishardError):
     """A run cannot go on: its steps keep producing non-finite values."""
+
+
+class GenerationError(EquishardError):
+    """Generation or evaluation was asked for what it cannot do: a prompt that is empty
+    or does not fit the maximum length, a sampling option out of range, a vocabulary
+    that does not match the model's, a run directory with no verified checkpoint."""

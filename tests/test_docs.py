@@ -49,6 +49,7 @@ PAGES = {
     "inspect-and-plan.md": ("inspect_and_plan.py",),
     "train-output.md": ("train_output.py",),
     "long-sequences.md": ("long_sequences.py",),
+    "generating.md": ("generating.py",),
     "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py", "your_own_conv_and_scan.py"),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
@@ -320,6 +321,13 @@ def test_long_sequences():
     assert rows[8192][1] <= 2.2 * rows[4096][1] and rows[8192][0] >= 3.5 * rows[4096][0]
     zigzag = lines_after(out, "zigzag     block pairs per device ")[0]
     assert "max/min 1.00" in zigzag
+
+
+def test_generating():
+    out = run_example("generating.py")
+    assert "compilations {'prefill': 1, 'decode': 1}" in out
+    assert out.count("the same tokens: True") == 2
+    assert "alone on another layout: True" in out
 
 
 def test_inspect_and_plan():

@@ -9,6 +9,13 @@ from ._flops import (
     gpt_flops_per_token as gpt_flops_per_token,
     gpt_matmul_parameters as gpt_matmul_parameters,
 )
+from ._generate import (
+    Generation as Generation,
+    Generator as Generator,
+    Sampling as Sampling,
+    generate as generate,
+    sample_token as sample_token,
+)
 from ._gpt import (
     GPT as GPT,
     PRESETS as PRESETS,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
@@ -40,11 +40,14 @@ from .._names import CONTEXT_IMPLS, RING, ZIGZAG
 from ..core import (
     alltoall_attention,
     attention as attention_kernel,
+    dense_attention,
     gather_tokens,
+    merge_attention,
     mp_copy,
     ring_attention,
 )
 from ..sharding import Sharded
+from ._fsdp_regather import after
 from ._initializers import (
     axis_size,
     check_choice,
@@ -343,6 +346,30 @@ class SharedKVLinear(eqx.Module):
         return y
 
 
+    def all_heads(self, x: Float[Array, "... in_features"]) -> Float[Array, "... 2 kv_local head_dim"]:
+        """`__call__`'s keys and values as `[..., T, 2, h, head_dim]`, from one product
+        against the whole (replicated) weight, then this device's heads taken from the
+        output: the weight is read once, not sliced (generation's decode step).
+
+        **Arguments:**
+
+        - `x`: `[..., T, in]` replicated over the axis.
+        """
+        n = axis_size(self.axis_name)
+        local = max(self.n_kv_heads // n, 1)
+        if is_bound(self.axis_name):
+            x = mp_copy(x, axis_name=self.axis_name)
+        # f32[..., in] @ f32[in, 2 Hkv hd] -> f32[..., 2, Hkv, hd]
+        y = matmul_t(x, value_of(self.weight).reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = add_bias(y, value_of(self.bias).reshape(-1))
+        y = y.reshape(*y.shape[:-1], 2, self.n_kv_heads, self.head_dim)
+        if is_bound(self.axis_name):
+            start = jax.lax.axis_index(self.axis_name) * self.n_kv_heads // n
+            y = jax.lax.dynamic_slice_in_dim(y, start, local, axis=-2)
+        return y
+
+
 class ParallelAttention(eqx.Module):
     """Causal self-attention with the heads split over the axis; grouped-query heads.
 
@@ -575,6 +602,135 @@ class ParallelAttention(eqx.Module):
         out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return checkpoint_name(self.proj(out), OUT_PROJ)
+
+    def cached(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        *,
+        positions: Int[Array, "batch seq"],
+        cache: tuple[Array, Array] | None = None,
+        slot: Int[Array, ""] | None = None,
+        seen: Bool[Array, "batch seq cache"] | None = None,
+    ) -> tuple[Float[Array, "batch seq d_model"], tuple[Array, Array]]:
+        """Attention for generation, with a key/value cache ("megatron" style, no context axis).
+
+        Without `cache` (the prefill), the tokens attend causally among themselves, as
+        in `__call__`, and their keys and values are returned for the caller to cache.
+        With it (a decode step), the new tokens' keys and values are written into the
+        cache's slots from `slot` on (the same slots in every row: one in-place update),
+        and each token attends to the cached slots `seen` marks and, causally, to the
+        new tokens. Keys are rotated by their
+        positions before they are cached, so a slot's place in the cache does not
+        matter. Each projection is one product here (a stride's pieces split from its
+        output, not its weight): a decode step reads every weight once.
+
+        **Arguments:**
+
+        - `x`: `[B, S, d_model]`, replicated over the axis.
+        - `positions`: `[B, S]`, the tokens' positions (rotary embeddings; the causal
+          mask of the prefill).
+        - `cache`: `(keys, values)`, each this device's `[B, Hkv_local, L, head_dim]`
+          (head-major, so that the scores read it without a transpose), or `None`.
+        - `slot`: with `cache`, the first slot written (an `int32` scalar).
+        - `seen`: with `cache`, `bool[B, S, L]`: the cached slots each new token
+          attends to (not the slots being written).
+
+        **Returns:**
+
+        `(y, kv)`: the output `[B, S, d_model]` and, without `cache`, the tokens'
+        rotated keys and values `[B, S, Hkv_local, head_dim]` each; with it, the cache
+        with them written.
+
+        **Raises:**
+
+        `LayerConfigError` for a sequence-parallel layer, one with a bound context axis,
+        or a `cache` without `slot` and `seen`.
+        """
+        cp = self.context_axis_name
+        if self.style == "sequence" or (cp is not None and is_bound(cp)):
+            raise LayerConfigError(
+                f"ParallelAttention.cached: generation runs with style='megatron' and no "
+                f"context axis; this layer has style={self.style!r}, context axis {cp!r}."
+            )
+        q, k, v = self._qkv_one_product(x)
+        if self.rotary:
+            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions)
+            q, k = _rotate(q, *table), _rotate(k, *table)
+        if cache is None:
+            # f32[B, S, H/n, hd], f32[B, S, Hkv_local, hd] -> f32[B, S, H/n, hd]
+            out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+            kv = (k, v)
+        else:
+            if slot is None or seen is None:
+                raise LayerConfigError("ParallelAttention.cached: a cache needs slot= and seen=.")
+            # The cached slots (read before the update, so that the update is one in
+            # place: XLA fuses an update that is read into each reader, copying the
+            # cache for each), merged with the new tokens' causal attention to their own.
+            past, past_lse = _attend_cache(q, cache[0], cache[1], seen)
+            own, own_lse = dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
+            out = merge_attention(past, past_lse, own, own_lse)[0]
+            # f32[B, S, Hkv, hd] -> f32[B, Hkv, S, hd], written at slots [slot, slot + S)
+            # once the cache has been read (`after`: a data dependency, else XLA copies the
+            # cache to keep the read's values)
+            k, v = after((k, v), out, unboxed=True)
+            kv = tuple(
+                jax.lax.dynamic_update_slice(c, _head_major(n).astype(c.dtype), (0, 0, slot, 0))
+                for c, n in zip(cache, (k, v))
+            )
+        # f32[B, S, D/n] @ f32[D/n, D] -> f32[B, S, D]
+        return self.proj(out.reshape(*out.shape[:-2], -1)), (kv[0], kv[1])
+
+    def _qkv_one_product(self, x: Array) -> tuple[Array, Array, Array]:
+        """`qkv_heads`'s queries, keys and values, one product per projection."""
+        n = axis_size(self.axis_name)
+        self._check_axis(n)
+        heads, head_dim = self.n_heads // n, self.d_model // self.n_heads
+        if self.qkv is not None:
+            # f32[B, S, D] @ f32[D, 3 D/n] -> q, k, v f32[B, S, H/n, hd]
+            q, k, v = (y.reshape(*y.shape[:-1], heads, head_dim) for y in jnp.split(self.qkv(x), 3, axis=-1))
+            return q, k, v
+        assert self.q is not None and self.kv is not None
+        q = self.q(x)
+        q = q.reshape(*q.shape[:-1], heads, head_dim)
+        if isinstance(self.kv, SharedKVLinear):
+            kv = self.kv.all_heads(x)  # f32[B, S, 2, Hkv_local, hd]
+        else:
+            kv = self.kv(x)
+            kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
+        return q, kv[..., 0, :, :], kv[..., 1, :, :]
+
+
+def _head_major(x: Array) -> Array:
+    """`[B, S, H, hd] -> [B, H, S, hd]` (a reshape for one token: no transpose to fuse)."""
+    if x.shape[1] == 1:
+        return x.reshape(x.shape[0], x.shape[2], 1, x.shape[3])
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _attend_cache(q: Array, keys: Array, values: Array, seen: Array) -> tuple[Array, Array]:
+    """Softmax attention of `q` `[B, S, H, hd]` over a cache `[B, Hkv, L, hd]`, the slots
+    `seen` (`bool[B, S, L]`) marks: the output `[B, S, H, hd]` and the log-sum-exp
+    `f32[B, S, H]` (`-inf` for a query that sees no slot), for `merge_attention`."""
+    b, s, h, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    # f32[B, S, Hkv G, hd] -> f32[B, Hkv, G S, hd] (query heads of a key/value head together)
+    qg = jnp.transpose(q.reshape(b, s, hkv, g, d), (0, 2, 3, 1, 4)).reshape(b, hkv, g * s, d)
+    # f32[B, Hkv, G S, hd] x f32[B, Hkv, L, hd] -> f32[B, Hkv, G S, L]
+    scores = jnp.einsum("bhqd,bhkd->bhqk", qg, keys, preferred_element_type=jnp.float32) / math.sqrt(d)
+    mask = jnp.broadcast_to(seen[:, None, None], (b, hkv, g, s, length)).reshape(scores.shape)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top, -jnp.inf)[..., 0]
+    weights = (p / jnp.where(total > 0, total, 1.0)).astype(values.dtype)
+    # f32[B, Hkv, G S, L] x f32[B, Hkv, L, hd] -> f32[B, Hkv, G S, hd]
+    out = jnp.einsum("bhqk,bhkd->bhqd", weights, values, preferred_element_type=jnp.float32)
+    out = jnp.transpose(out.reshape(b, hkv, g, s, d), (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+    lse = jnp.transpose(lse.reshape(b, hkv, g, s), (0, 3, 1, 2)).reshape(b, s, h)
+    return out.astype(q.dtype), lse
 
 
 class ParallelMLP(eqx.Module):
@@ -810,3 +966,42 @@ class TransformerBlock(eqx.Module):
             y, aux = self.mlp(h)
             return x + y, aux
         return x + self.mlp(h), None
+
+    def cached(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        *,
+        positions: Int[Array, "batch seq"],
+        cache: tuple[Array, Array] | None = None,
+        slot: Int[Array, ""] | None = None,
+        seen: Bool[Array, "batch seq cache"] | None = None,
+    ) -> tuple[Float[Array, "batch seq d_model"], tuple[Array, Array]]:
+        """The block for generation: its attention reads a key/value cache
+        (`ParallelAttention.cached`, whose arguments these are); every projection is
+        one product.
+
+        **Returns:**
+
+        `(y, kv)`: the block's output `[B, S, d_model]` and, as
+        `ParallelAttention.cached` returns them, the new keys and values or the cache
+        with them written.
+
+        **Raises:**
+
+        `LayerConfigError` for a block with an MoE layer or sequence parallelism.
+        """
+        if isinstance(self.mlp, MoE):
+            raise LayerConfigError(
+                "TransformerBlock.cached: generation with a mixture-of-experts block is "
+                "not supported."
+            )
+        a, kv = self.attn.cached(self.norm1(x), positions=positions, cache=cache, slot=slot, seen=seen)
+        x = x + a
+        mlp, h = self.mlp, self.norm2(x)
+        # f32[B, S, D] @ f32[D, (2) F/n]: one product, its pieces split from the output
+        if mlp.swiglu:
+            gate, up = jnp.split(mlp.up(h), 2, axis=-1)
+            h = gate * jax.lax.logistic(gate) * up
+        else:
+            h = mlp.activation(mlp.up(h))
+        return x + mlp.down(h), kv

@@ -1,0 +1,207 @@
+"""Text out of a run directory: generation and evaluation from its latest verified checkpoint.
+
+`generate_from_run` and `evaluate_run` are what `equishard generate` and `equishard eval`
+call. Both rebuild the run from its `config.toml` (under its own layout or another) and
+restore the newest checkpoint whose every array carries a checksum; evaluation then uses
+the training run's own validation code (`Run.validation_loss`), so that with the run's
+batches and seed it reads the very windows a validation row of the run read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import GenerationError
+from ..models import Generator, Sampling
+from ..models._internal import canonical_path
+from ._config import CONFIG_FILE, TrainConfig, load_config
+from ._data import ByteCorpus, load_stdlib_corpus
+
+BYTE_VOCABULARY = 256
+"""The runs' tokenizer: bytes (ids 0-255)."""
+
+
+def load_run(
+    run_dir: str | pathlib.Path, *, layout: str | None = None, devices: list | None = None,
+    changes: dict[str, Any] | None = None,
+) -> tuple[Any, Any, int]:  # fmt: skip
+    """A run directory's `Run` (under its own layout, or `layout`) and its latest
+    verified checkpoint restored onto that layout's mesh.
+
+    **Arguments:**
+
+    - `run_dir`: a directory `equishard train` wrote (its `config.toml`, its checkpoints).
+    - `layout`: the layout to rebuild the run under (default: the run's own).
+    - `devices`: the devices to use (default: all).
+    - `changes`: other `TrainConfig` fields to replace (e.g. `eval_batches`).
+
+    **Returns:**
+
+    `(run, state, step)`: the `Run`, the restored `TrainState` and its step.
+
+    **Raises:**
+
+    `GenerationError` for a directory without `config.toml` or without a verified
+    checkpoint (naming the steps there that carry no checksums).
+    """
+    from ..train import Checkpointer  # orbax: the train extra
+    from ._run import Run
+
+    run_dir = pathlib.Path(run_dir)
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise GenerationError(f"{run_dir} holds no {CONFIG_FILE}: not a run directory of `equishard train`.")
+    config = TrainConfig(**load_config(path))
+    config = dataclasses.replace(config, **(changes or {}), **({} if layout is None else {"layout": layout}))
+    checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints")
+    ckpt = Checkpointer(checkpoint_dir, path_map=canonical_path)
+    steps = ckpt.all_steps() if checkpoint_dir.is_dir() else []
+    verified = [s for s in steps if _verified(ckpt.read_metadata(s))]
+    if not verified:
+        unverified = f" (steps {steps} carry no checksums)" if steps else ""
+        raise GenerationError(
+            f"{run_dir}: no verified checkpoint in {checkpoint_dir}{unverified}; train the run "
+            f"(with checkpoints verified, the default) first."
+        )
+    run = Run(config, devices=devices)
+    state = run.state_template()
+    state = ckpt.restore(state, step=verified[-1], mesh=run.mesh)
+    return run, state, verified[-1]
+
+
+def _verified(meta: dict[str, Any]) -> bool:
+    """Whether every array of a checkpoint step carries a checksum."""
+    arrays = meta.get("arrays", [])
+    return bool(arrays) and all("checksum" in record for record in arrays)
+
+
+def evaluate_run(
+    run_dir: str | pathlib.Path, *, layout: str | None = None, batches: int | None = None,
+    seed: int | None = None, whole_split: bool = False, devices: list | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Loss and perplexity of a run's latest verified checkpoint on the validation split.
+
+    **Arguments:**
+
+    - `run_dir`: the run directory.
+    - `layout`: evaluate under this layout (default: the run's).
+    - `batches`, `seed`: the validation windows: the run's `eval_batches` batches of its
+      `batch_size` windows drawn with the data seed `seed` (defaults: the run's own, so
+      that the result is the run's validation loss at that step).
+    - `whole_split`: instead, every window of `seq_len + 1` bytes of the validation
+      split, one after another (stride `seq_len`), in batches of the run's
+      `batch_size` (the windows that do not fill a last batch are left out).
+    - `devices`: the devices to use (default: all).
+
+    **Returns:**
+
+    A dict: `step`, `loss` (nats per token), `perplexity`, `bits_per_byte` (the tokens
+    are bytes), `tokens` (predicted), `batches`.
+
+    **Raises:**
+
+    `GenerationError` as `load_run` does, or for `batches < 1`.
+    """
+    if batches is not None and batches < 1:
+        raise GenerationError(f"evaluate_run: batches={batches} must be at least 1.")
+    changes: dict[str, Any] = {} if batches is None else {"eval_batches": batches}
+    changes |= {} if seed is None else {"seed": seed}
+    run, state, step = load_run(run_dir, layout=layout, devices=devices, changes=changes)
+    config = run.config
+    corpus = load_stdlib_corpus()
+    if whole_split:
+        losses = _whole_split(run, state, corpus)
+        loss, count = float(np.mean(losses)), len(losses)
+    else:
+        # The training run's own validation: the same windows, the same code.
+        loss, count = run.validation_loss(state, corpus), config.eval_batches
+    return {
+        "step": step,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": loss / math.log(2),
+        "tokens": count * config.batch_size * config.seq_len,
+        "batches": count,
+    }
+
+
+def _whole_split(run: Any, state: Any, corpus: ByteCorpus) -> list[float]:
+    """The mean loss of each batch of consecutive validation windows (one process)."""
+    config = run.config
+    val = np.asarray(corpus.val)
+    n = (len(val) - 1) // config.seq_len
+    starts = np.arange(n) * config.seq_len
+    windows = np.stack([val[s : s + config.seq_len + 1] for s in starts]).astype(np.int32)
+    full = n // config.batch_size
+    if full == 0:
+        raise GenerationError(
+            f"evaluate_run: the validation split has {n} windows of {config.seq_len + 1} bytes, "
+            f"fewer than one batch of {config.batch_size}."
+        )
+    rows = windows[: full * config.batch_size].reshape(full, config.batch_size, -1)
+    return [float(run.eval_loss(state.model, batch)) for batch in rows]
+
+
+def generate_from_run(
+    run_dir: str | pathlib.Path, prompts: Sequence[bytes | str], *, max_new_tokens: int = 200,
+    max_len: int | None = None, layout: str | None = None, sampling: Sampling = Sampling(),
+    seed: int = 0, stop: Sequence[bytes | str] = (), gather: str = "once", devices: list | None = None,
+    on_token: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Continue `prompts` with a run's latest verified checkpoint, on its layout's mesh.
+
+    **Arguments:**
+
+    - `run_dir`: the run directory.
+    - `prompts`: the texts (UTF-8) or bytes to continue.
+    - `max_new_tokens`: the most bytes each prompt gets.
+    - `max_len`: the cache's length (default: the run's `seq_len`, the window it was
+      trained on, or more where the prompts need it).
+    - `layout`: generate under this layout (default: the run's).
+    - `sampling`: see `equishard.models.Sampling` (default greedy).
+    - `seed`: the sampling key `jax.random.key(seed)` (every row's).
+    - `stop`: single bytes that end a row (the byte model's stop tokens).
+    - `gather`: see `equishard.models.Generator`.
+    - `devices`: the devices to use (default: all).
+    - `on_token`: `on_token(row, token)` as each byte comes.
+
+    **Returns:**
+
+    A dict: `step`, `texts` (each continuation, decoded with replacement), `tokens`,
+    `stopped`, `prefill_seconds`, `decode_seconds`, `decode_steps`.
+
+    **Raises:**
+
+    `GenerationError` as `load_run` and `equishard.models.Generator` do, or for a stop
+    string that is not one byte.
+    """
+    data = [p.encode("utf-8") if isinstance(p, str) else bytes(p) for p in prompts]
+    stops = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop]
+    if any(len(s) != 1 for s in stops):
+        raise GenerationError(f"generate: stop strings {stops!r}: the byte model stops on single bytes.")
+    run, state, step = load_run(run_dir, layout=layout, devices=devices)
+    longest = max((len(p) for p in data), default=1)
+    length = max_len or max(run.config.seq_len, -(-longest // 16) * 16 + max_new_tokens)
+    generator = Generator(
+        state.model, run.mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=BYTE_VOCABULARY
+    )
+    out = generator.generate(
+        [list(p) for p in data], max_new_tokens=max_new_tokens, key=jax.random.key(seed),
+        stop_tokens=[s[0] for s in stops], on_token=on_token,
+    )  # fmt: skip
+    return {
+        "step": step,
+        "texts": [bytes(t).decode("utf-8", errors="replace") for t in out.tokens],
+        "tokens": out.tokens,
+        "stopped": out.stopped,
+        "prefill_seconds": out.prefill_seconds,
+        "decode_seconds": out.decode_seconds,
+        "decode_steps": out.decode_steps,
+    }
