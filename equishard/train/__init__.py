@@ -9,6 +9,19 @@ import typing
 
 from ._export import export_model as export_model, import_model as import_model
 from ._gradients import global_norm as global_norm
+from ._safetensors import (
+    OutTensor as OutTensor,
+    Padded as Padded,
+    Permuted as Permuted,
+    Stacked as Stacked,
+    Tensor as Tensor,
+    Transposed as Transposed,
+    check_mapping as check_mapping,
+    checkpoint_tensors as checkpoint_tensors,
+    load_safetensors as load_safetensors,
+    tensor_of as tensor_of,
+    write_safetensors as write_safetensors,
+)
 from ._state import TrainState as TrainState, init_train_state as init_train_state
 from ._step import (
     CompiledTrainStep as CompiledTrainStep,
