@@ -16,9 +16,11 @@ from ._safetensors import (
     Stacked as Stacked,
     Tensor as Tensor,
     Transposed as Transposed,
+    array_paths as array_paths,
     check_mapping as check_mapping,
     checkpoint_tensors as checkpoint_tensors,
     load_safetensors as load_safetensors,
+    source_tensors as source_tensors,
     tensor_of as tensor_of,
     write_safetensors as write_safetensors,
 )
