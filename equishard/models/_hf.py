@@ -24,6 +24,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
@@ -50,7 +51,7 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 """The files beside the weights that travel with the model (the tokenizer, its special
 tokens and chat template)."""
-_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
@@ -76,6 +77,8 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, tuple[float, float, float, floa
     params.update(scaling)
     base = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
+    if scaling:  # the older `rope_scaling` names its own type
+        kind = scaling.get("rope_type", scaling.get("type", kind))
     if kind == "default":
         return base, None
     if kind != "llama3":
