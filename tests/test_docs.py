@@ -50,6 +50,7 @@ PAGES = {
     "train-output.md": ("train_output.py",),
     "long-sequences.md": ("long_sequences.py",),
     "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py"),
+    "hugging-face.md": ("hugging_face.py",),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -318,6 +319,16 @@ def test_long_sequences():
     assert rows[8192][1] <= 2.2 * rows[4096][1] and rows[8192][0] >= 3.5 * rows[4096][0]
     zigzag = lines_after(out, "zigzag     block pairs per device ")[0]
     assert "max/min 1.00" in zigzag
+
+
+def test_hugging_face():
+    out = run_example("hugging_face.py")
+    errors = [floats(line)[-1] for line in lines_after(out, "") if "max |logits - transformers'|" in line]
+    assert len(errors) == 4 and all(e <= 1e-5 for e in errors)
+    losses = [floats(line)[0] for line in lines_after(out, "step ")]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2]
+    assert floats(lines_after(out, "exported and reloaded under tp=4: ")[0])[-1] <= 1e-5
+    assert "checkpoint tensor lm_head.weight (64, 32)" in out
 
 
 def test_inspect_and_plan():

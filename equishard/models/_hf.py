@@ -45,6 +45,7 @@ from ..train import (
 from ._gpt import GPT, GPTConfig, canonical_path
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""The Hugging Face architectures `load_hf` reads onto the GPT."""
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
