@@ -27,7 +27,14 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.core import from_last_stage
 from equishard.models import export_hf, load_hf, read_hf_config
-from equishard.train import Stacked, Tensor, Transposed, checkpoint_tensors, load_safetensors
+from equishard.train import (
+    Stacked,
+    Tensor,
+    Transposed,
+    checkpoint_tensors,
+    load_safetensors,
+    source_tensors,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "tests" / "fixtures" / "hf" / "llama3"  # config.json + safetensors
@@ -95,8 +102,8 @@ print("exported and reloaded under tp=4: logits max difference",
 
 # --8<-- [start:transformers]
 try:
-    import torch
-    import transformers
+    import torch  # pyright: ignore[reportMissingImports]
+    import transformers  # pyright: ignore[reportMissingImports]
 except ImportError:
     print("transformers is not installed: skipping the comparison")
 else:
@@ -137,7 +144,7 @@ try:  # every tensor the map leaves unused is named (with its shape and file) fi
 except es.CheckpointError as err:
     lines = str(err).splitlines()
     print(lines[0], f"{len(lines) - 1} problems, the first:", lines[1].strip().rsplit(" (", 1)[0])
-used = {name for source in mapping.values() for name in es.train.source_tensors(source)}
+used = {name for source in mapping.values() for name in source_tensors(source)}
 own = load_safetensors(
     skeleton, mapping, str(SOURCE), mesh=es.make_mesh("fsdp=2,tp=4"),
     ignore=set(checkpoint_tensors(str(SOURCE))) - used,  # the rest of the checkpoint
