@@ -2,9 +2,9 @@
 
 A model skeleton (arrays or `jax.ShapeDtypeStruct`s, in `Sharded` boxes that carry their
 specs) and a map from its array paths to *sources* (a checkpoint tensor, or tensors
-stacked, transposed, padded or permuted) give a model whose every array is built with
-`jax.make_array_from_callback`: each addressable device's block is read from the files by
-slice, only the rows and columns of that block. Everything is checked before any tensor
+stacked, transposed, padded or permuted) give a model whose every array is built block by
+block: each addressable device's block is read from the files by slice (only the rows
+and columns of that block) and placed on its device at once. Everything is checked before any tensor
 data is read: the files and the index, every source's shape against its array's, and
 which checkpoint tensors and model arrays the map leaves out (named, with shapes).
 
@@ -274,20 +274,23 @@ def _reader(infos: Mapping[str, TensorInfo]) -> Callable[[str, Index], np.ndarra
 
     Through `safe_open(...).get_slice` (only the block's rows and columns are read);
     bfloat16, which NumPy's backend of safetensors cannot return, through a read-only
-    memory map of the tensor's bytes, sliced the same way.
+    memory map of the tensor's bytes, sliced the same way. Each read maps the file anew
+    and unmaps it once the block is copied out: a block split over columns touches every
+    page of its tensor, and those pages then leave the process's resident memory at once
+    instead of piling up beside the model (one tensor's at most; measured in
+    `benchmarks/RESULTS.md`).
     """
     from safetensors import safe_open
-
-    handles: dict[str, Any] = {}
 
     def read(name: str, index: Index) -> np.ndarray:
         info = infos[name]
         if info.dtype == "BF16":
             whole = np.memmap(info.file, dtype=ml_dtypes.bfloat16, mode="r", offset=info.offset, shape=info.shape)
-            return np.array(whole[index])
-        if info.file not in handles:
-            handles[info.file] = safe_open(info.file, framework="numpy")
-        return np.asarray(handles[info.file].get_slice(name)[index] if info.shape else handles[info.file].get_tensor(name))
+            block = np.array(whole[index])
+            del whole  # unmapped
+            return block
+        with safe_open(info.file, framework="numpy") as f:
+            return np.asarray(f.get_slice(name)[index] if info.shape else f.get_tensor(name))
 
     return read
 
@@ -395,18 +398,31 @@ def load_safetensors(
     check_tree_specs(skeleton, specs_of(skeleton), mesh)
     tensors = checkpoint_tensors(folder)
     check_mapping(skeleton, mapping, tensors, ignore=ignore)
-    read = _reader(tensors)
     shapes = {n: t.shape for n, t in tensors.items()}
     arrays = array_paths(skeleton)
 
     def fill(path: str, value: Any, spec: P) -> jax.Array:
         shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+        read = _reader(tensors)
 
-        def block(index: Any) -> np.ndarray:
+        sharding = NamedSharding(mesh, spec)
+        # As `jax.make_array_from_callback`, but each block is placed on its device as
+        # soon as it is read (that function reads every block first): the host holds
+        # one block at a time, not a whole array beside the model. A block several
+        # devices share is read once.
+        placed: dict[Any, list[jax.Array]] = {}
+        blocks = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
             concrete = tuple(slice(*s.indices(d)) for s, d in zip(index, shape))
-            return _read(mapping[path], concrete, read, shapes).astype(dtype)
-
-        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block, dtype=dtype)
+            key = tuple((s.start, s.stop) for s in concrete)
+            if key not in placed:
+                data = _read(mapping[path], concrete, read, shapes).astype(dtype, copy=False)
+                placed[key] = [jax.device_put(data, device)]
+                del data
+            else:
+                placed[key].append(jax.device_put(placed[key][0], device))
+            blocks.append(placed[key][-1])
+        return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
 
     filled = {path: fill(path, v, spec) for path, (v, spec) in arrays.items()}
 
