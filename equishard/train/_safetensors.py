@@ -413,7 +413,8 @@ def load_safetensors(
         placed: dict[Any, list[jax.Array]] = {}
         blocks = []
         for device, index in sharding.addressable_devices_indices_map(shape).items():
-            concrete = tuple(slice(*s.indices(d)) for s, d in zip(index, shape))
+            full = tuple(slice(None) for _ in shape) if index is None else index
+            concrete = tuple(slice(*s.indices(d)) for s, d in zip(full, shape))
             key = tuple((s.start, s.stop) for s in concrete)
             if key not in placed:
                 data = _read(mapping[path], concrete, read, shapes).astype(dtype, copy=False)
