@@ -51,6 +51,7 @@ PAGES = {
     "long-sequences.md": ("long_sequences.py",),
     "generating.md": ("generating.py",),
     "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py", "your_own_conv_and_scan.py"),
+    "hugging-face.md": ("hugging_face.py",),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -328,6 +329,16 @@ def test_generating():
     assert "compilations {'prefill': 1, 'decode': 1}" in out
     assert out.count("the same tokens: True") == 2
     assert "alone on another layout: True" in out
+
+
+def test_hugging_face():
+    out = run_example("hugging_face.py")
+    errors = [floats(line)[-1] for line in lines_after(out, "") if "max |logits - transformers'|" in line]
+    assert len(errors) == 4 and all(e <= 1e-5 for e in errors)
+    losses = [floats(line)[0] for line in lines_after(out, "step ")]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2]
+    assert floats(lines_after(out, "exported and reloaded under tp=4: ")[0])[-1] <= 1e-5
+    assert "checkpoint tensor lm_head.weight (64, 32)" in out
 
 
 def test_inspect_and_plan():

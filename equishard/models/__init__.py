@@ -25,6 +25,17 @@ from ._gpt import (
     count_parameters as count_parameters,
     token_batch as token_batch,
 )
+from ._hf import (
+    ARCHITECTURES as ARCHITECTURES,
+    TOKENIZER_FILES as TOKENIZER_FILES,
+    copy_tokenizer as copy_tokenizer,
+    export_hf as export_hf,
+    gpt_config_from_hf as gpt_config_from_hf,
+    hf_mapping as hf_mapping,
+    llama_config as llama_config,
+    load_hf as load_hf,
+    read_hf_config as read_hf_config,
+)
 from ._memory import gpt_memory as gpt_memory
 from ._minimum import gpt_minimum as gpt_minimum, gpt_param_rows as gpt_param_rows
 from ._report import gpt_report as gpt_report

@@ -107,6 +107,14 @@ class GPTConfig:
       (`equishard.nn.fused_cross_entropy`: no `[tokens, V]` logits, softmax or gradient
       formed whole); `False`: form the logits, then `vocab_parallel_cross_entropy`.
       The same values and gradients either way.
+    - `norm_eps`: the RMSNorms' epsilon.
+    - `qkv_bias`: biases in the attention's query, key and value projections (Qwen2's).
+    - `rotary_scaling`: Llama 3.1's rotary frequency scaling, `(factor, low_freq_factor,
+      high_freq_factor, original_max_position_embeddings)`, or `None`.
+    - `real_vocab_size`: with a vocabulary padded to divide the tensor axis, the number
+      of real ids (`None`: all `vocab_size`): the logits of the padding ids are the
+      lowest finite value, so they are never sampled. (The training loss still sums
+      over every id: their zero rows add a constant to its partition function.)
     - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁷ logits
       per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 2048 tokens
       at a vocabulary of 50304).
@@ -133,6 +141,10 @@ class GPTConfig:
     scan_unroll: int | Literal["auto"] = "auto"
     fused_loss: bool = True
     loss_chunk_size: int | None = None
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    rotary_scaling: tuple[float, float, float, float] | None = None
+    real_vocab_size: int | None = None
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -197,7 +209,8 @@ def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray)
         config.d_model, config.n_heads, config.d_ff, n_kv_heads=n_kv,
         kv_replicated=par.size(par.tensor) > n_kv, axis_name=tensor_axis(par), context_axis_name=par.context,
         context_impl=par.context_impl, style=style, rotary=True,
-        rotary_base=config.rotary_base, swiglu=True, moe=experts, key=key,
+        rotary_base=config.rotary_base, rotary_scaling=config.rotary_scaling, swiglu=True,
+        qkv_bias=config.qkv_bias, eps=config.norm_eps, moe=experts, key=key,
     )  # fmt: skip
 
 
@@ -403,7 +416,7 @@ class GPT(eqx.Module, GathersFSDP):
             config.d_model, config.vocab_size, axis_name=tensor_axis(par), bias=False, gather_output=False,
             sequence_parallel=sp, key=hkey,
         )  # fmt: skip
-        norm = RMSNorm(config.d_model)
+        norm = RMSNorm(config.d_model, eps=config.norm_eps)
         if par.fsdp is not None:
             fsdp = par.fsdp
             # The arrays outside the units are split over fsdp too, by the same rule
@@ -493,12 +506,24 @@ class GPT(eqx.Module, GathersFSDP):
         if self.head is not None:
             # Gathered once h exists; the gathered f32[D, V/tp] is kept for the
             # backward pass (the input's gradient needs it): no second gather.
-            return self._gathered(self.head, h)(h)
+            return self._masked(self._gathered(self.head, h)(h))
         table = jnp.asarray(self._gathered(self.embed, h).weight.value)
         if self.parallelism.sequence_parallel:
             h = gather_tokens(h, tensor_axis(self.parallelism))
         # f32[B, T(/tp), D] @ f32[D, V/tp]
-        return matmul_t(h, table)
+        return self._masked(matmul_t(h, table))
+
+    def _masked(self, logits: Array) -> Array:
+        """`logits` `[B, T, V/tp]` with the padding ids' (`GPTConfig.real_vocab_size`) set
+        to the lowest finite value."""
+        real = self.config.real_vocab_size
+        if real is None or real >= self.config.vocab_size:
+            return logits
+        local = logits.shape[-1]
+        ids = jnp.arange(local)
+        if is_bound(TP):
+            ids = ids + jax.lax.axis_index(TP) * local
+        return jnp.where(ids < real, logits, jnp.finfo(logits.dtype).min)
 
     def _cross_entropy(self, h: Array, labels: Array) -> Float[Array, ""]:
         """The mean cross-entropy of the local tokens from the blocks' output `h`."""

@@ -184,12 +184,18 @@ def rotary_embedding(
 
 
 def _rotary_table(
-    seq: int, head_dim: int, base: float, positions: Int[Array, "... seq"] | None
-) -> tuple[Array, Array]:
+    seq: int, head_dim: int, base: float, positions: Int[Array, "... seq"] | None,
+    scaling: tuple[float, float, float, float] | None = None,
+) -> tuple[Array, Array]:  # fmt: skip
     """The cosines and sines of `rotary_embedding`'s angles, each `f32[..., T, 1, hd/2]`
-    (one table for the queries and the keys of a layer)."""
+    (one table for the queries and the keys of a layer); `scaling` as `ParallelAttention`'s
+    `rotary_scaling`."""
     half = head_dim // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * (2.0 / head_dim))
+    if scaling is not None:
+        # As `transformers` computes them (1 / base**(2i/d)), then scaled.
+        inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+        inv_freq = _llama3_frequencies(inv_freq, *scaling)
     if positions is None:
         positions = jnp.arange(seq, dtype=jnp.int32)
     if positions.shape[-1] != seq:
@@ -200,6 +206,20 @@ def _rotary_table(
     pos = positions.astype(jnp.float32)[..., :, None]
     angles = (pos * jnp.broadcast_to(inv_freq, (*pos.shape[:-1], half)))[..., :, None, :]
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def _llama3_frequencies(
+    inv_freq: Array, factor: float, low_freq_factor: float, high_freq_factor: float, original_length: float
+) -> Array:
+    """Llama 3.1's rotary frequencies: wavelengths longer than `original_length /
+    low_freq_factor` divided by `factor`, shorter than `original_length / high_freq_factor`
+    kept, and those between interpolated smoothly."""
+    wavelength = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelength > original_length / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original_length / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original_length / high_freq_factor) & (wavelength <= original_length / low_freq_factor)
+    return jnp.where(medium, smoothed, scaled)
 
 
 def _table_for(x: Float[Array, "... seq heads head_dim"], cos: Array, sin: Array) -> tuple[Array, Array]:
@@ -401,6 +421,7 @@ class ParallelAttention(eqx.Module):
     style: str = eqx.field(static=True)
     rotary: bool = eqx.field(static=True)
     rotary_base: float = eqx.field(static=True)
+    rotary_scaling: tuple[float, float, float, float] | None = eqx.field(static=True)
     context_axis_name: str | None = eqx.field(static=True)
     context_impl: str = eqx.field(static=True)
 
@@ -417,7 +438,9 @@ class ParallelAttention(eqx.Module):
         style: str = "megatron",
         rotary: bool = False,
         rotary_base: float = 10000.0,
+        rotary_scaling: tuple[float, float, float, float] | None = None,
         bias: bool = False,
+        qkv_bias: bool | None = None,
         init_type: str = "xavier_normal",
         dtype: Any = None,
         key: PRNGKeyArray,
@@ -445,7 +468,12 @@ class ParallelAttention(eqx.Module):
         - `rotary`: apply rotary position embeddings to queries and keys (needs an even
           head size).
         - `rotary_base`: the rotary frequency base.
+        - `rotary_scaling`: Llama 3.1's rotary frequency scaling, `(factor,
+          low_freq_factor, high_freq_factor, original_max_position_embeddings)` (`None`:
+          none).
         - `bias`: biases in the projections.
+        - `qkv_bias`: biases in the query, key and value projections only (`None`: as
+          `bias`; Qwen2 has them, without one in the output projection).
         - `init_type`: the projections' init type.
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key.
@@ -471,10 +499,11 @@ class ParallelAttention(eqx.Module):
         check_choice(name, "context_impl", context_impl, CONTEXT_IMPLS)
         sp = style == "sequence"
         qkey, pkey = jax.random.split(key)
+        in_bias = bias if qkv_bias is None else qkv_bias
         self.qkv = self.q = self.kv = None
         if n_kv_heads == n_heads:
             self.qkv = ColumnParallelLinear(
-                d_model, 3 * d_model, axis_name=axis_name, bias=bias, gather_output=False,
+                d_model, 3 * d_model, axis_name=axis_name, bias=in_bias, gather_output=False,
                 init_type=init_type, stride=3, sequence_parallel=sp, dtype=dtype, key=qkey,
             )  # fmt: skip
         else:
@@ -482,17 +511,17 @@ class ParallelAttention(eqx.Module):
             q_key, kv_key = jax.random.split(qkey)
             # Both read the input the layer gathers (or copies in) once (`qkv_heads`).
             self.q = ColumnParallelLinear(
-                d_model, d_model, axis_name=axis_name, bias=bias, gather_output=False,
+                d_model, d_model, axis_name=axis_name, bias=in_bias, gather_output=False,
                 init_type=init_type, dtype=dtype, key=q_key,
             )  # fmt: skip
             if kv_replicated:
                 self.kv = SharedKVLinear(
-                    d_model, n_kv_heads, head_dim, axis_name=axis_name, bias=bias,
+                    d_model, n_kv_heads, head_dim, axis_name=axis_name, bias=in_bias,
                     init_type=init_type, dtype=dtype, key=kv_key,
                 )  # fmt: skip
             else:
                 self.kv = ColumnParallelLinear(
-                    d_model, 2 * n_kv_heads * head_dim, axis_name=axis_name, bias=bias,
+                    d_model, 2 * n_kv_heads * head_dim, axis_name=axis_name, bias=in_bias,
                     gather_output=False, init_type=init_type, stride=2, dtype=dtype, key=kv_key,
                 )  # fmt: skip
         self.proj = RowParallelLinear(
@@ -506,6 +535,9 @@ class ParallelAttention(eqx.Module):
         self.style = style
         self.rotary = rotary
         self.rotary_base = rotary_base
+        self.rotary_scaling = None if rotary_scaling is None else (
+            float(rotary_scaling[0]), float(rotary_scaling[1]), float(rotary_scaling[2]), float(rotary_scaling[3])
+        )  # fmt: skip
         self.context_axis_name = context_axis_name
         self.context_impl = context_impl
 
@@ -582,7 +614,7 @@ class ParallelAttention(eqx.Module):
         q, k, v = self.qkv_heads(x)
         if self.rotary:
             # One table, f32[..., T, 1, hd/2] each, broadcast once for q and k alike.
-            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions)
+            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions, self.rotary_scaling)
             q_table = _table_for(q, *table)
             same = k.shape == q.shape and varying_axes(k) == varying_axes(q)
             q, k = _rotate(q, *q_table), _rotate(k, *(q_table if same else table))
@@ -858,9 +890,11 @@ class TransformerBlock(eqx.Module):
         style: str = "megatron",
         rotary: bool = False,
         rotary_base: float = 10000.0,
+        rotary_scaling: tuple[float, float, float, float] | None = None,
         swiglu: bool = False,
         activation: Callable[[Array], Array] = jax.nn.gelu,
         bias: bool = False,
+        qkv_bias: bool | None = None,
         eps: float = 1e-6,
         init_type: str = "xavier_normal",
         dtype: Any = None,
@@ -880,10 +914,13 @@ class TransformerBlock(eqx.Module):
         - `style`: `"megatron"` (activations replicated over the axis) or `"sequence"`
           (activations split over the sequence between sub-layers).
         - `rotary`: rotary position embeddings in attention.
-        - `rotary_base`: their frequency base.
+        - `rotary_base`, `rotary_scaling`: their frequency base and scaling (see
+          `ParallelAttention`).
         - `swiglu`: a SwiGLU MLP instead of `activation`.
         - `activation`: the MLP's activation without `swiglu`.
         - `bias`: biases in the projections.
+        - `qkv_bias`: biases in the attention's query, key and value projections only
+          (`None`: as `bias`).
         - `eps`: the norms' epsilon.
         - `init_type`: the projections' init type.
         - `dtype`: the parameters' dtype.
@@ -901,7 +938,8 @@ class TransformerBlock(eqx.Module):
         self.attn = ParallelAttention(
             d_model, n_heads, n_kv_heads=n_kv_heads, kv_replicated=kv_replicated, axis_name=axis_name,
             context_axis_name=context_axis_name, context_impl=context_impl, style=style, rotary=rotary,
-            rotary_base=rotary_base, bias=bias, init_type=init_type, dtype=dtype, key=akey,
+            rotary_base=rotary_base, rotary_scaling=rotary_scaling, bias=bias, qkv_bias=qkv_bias,
+            init_type=init_type, dtype=dtype, key=akey,
         )  # fmt: skip
         self.norm2 = RMSNorm(d_model, eps=eps, dtype=dtype)
         self.mlp = moe if moe is not None else ParallelMLP(

@@ -19,6 +19,21 @@ from ._precision import (
     MixedPrecision as MixedPrecision,
     Precision as Precision,
 )
+from ._safetensors import (
+    OutTensor as OutTensor,
+    Padded as Padded,
+    Permuted as Permuted,
+    Stacked as Stacked,
+    Tensor as Tensor,
+    Transposed as Transposed,
+    array_paths as array_paths,
+    check_mapping as check_mapping,
+    checkpoint_tensors as checkpoint_tensors,
+    load_safetensors as load_safetensors,
+    source_tensors as source_tensors,
+    tensor_of as tensor_of,
+    write_safetensors as write_safetensors,
+)
 from ._state import TrainState as TrainState, init_train_state as init_train_state
 from ._step import (
     CompiledTrainStep as CompiledTrainStep,
