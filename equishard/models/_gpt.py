@@ -51,6 +51,7 @@ from ..sharding import (
     unbox as es_unbox,
 )
 from ..sharding._internal import spec_axes
+from ..train import IGNORE_LABEL
 
 TP = "tp"
 
@@ -103,6 +104,13 @@ class GPTConfig:
     - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁷ logits
       per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 2048 tokens
       at a vocabulary of 50304).
+    - `document_masking`: for a packed batch (one with `segment_ids`, see
+      `equishard.train.pack_windows`), attention stays inside each document and the
+      rotary positions restart at each document (`document_positions`); `False`: the
+      packed sequence is attended to as one text with its global `positions`. Either way
+      the labels the packer masked (`IGNORE_LABEL`: each document's last token, which
+      would predict the next document's first) count for nothing, and the loss is the
+      mean over the labelled tokens of the global batch. Ignored for unpacked batches.
     """
 
     vocab_size: int = 256
@@ -126,6 +134,7 @@ class GPTConfig:
     scan_unroll: int | Literal["auto"] = "auto"
     fused_loss: bool = True
     loss_chunk_size: int | None = None
+    document_masking: bool = True
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -207,10 +216,12 @@ class Unit(eqx.Module):
             for i in range(k)
         ]
 
-    def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, MoEAuxSum]:
+    def __call__(
+        self, x: Array, positions: Array | None = None, segment_ids: Array | None = None
+    ) -> tuple[Array, MoEAuxSum]:
         total = MoEAuxSum.zeros()
         for block in self.blocks:
-            x, aux = block.call_with_aux(x, positions=positions)
+            x, aux = block.call_with_aux(x, positions=positions, segment_ids=segment_ids)
             if aux is not None:
                 total = total + MoEAuxSum(aux.load_balancing_loss, aux.z_loss, aux.dropped)
         return x, total
@@ -412,12 +423,17 @@ class GPT(eqx.Module):
         self.parallelism = par
 
     def hidden(
-        self, ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"] | None = None
+        self,
+        ids: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Array, MoEAuxSum]:
         """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics.
 
         `positions`: the tokens' global positions (required with a context axis, where
-        `ids` is this device's part of the sequence); default `0, 1, ...`.
+        `ids` is this device's part of the sequence); default `0, 1, ...`. With
+        `segment_ids` (packed documents: attention stays inside each), each token's
+        position in its document.
         """
         if self.parallelism.context and positions is None:
             raise LayerConfigError(
@@ -428,11 +444,17 @@ class GPT(eqx.Module):
         # the lookup's backward is a scatter-add that needs no table.
         x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
+            if segment_ids is not None:
+                raise LayerConfigError(
+                    f"GPT: document masking (segment_ids) is not supported with the pipeline "
+                    f"axis {self.parallelism.pipeline!r} yet; train packed data with "
+                    f"GPTConfig(document_masking=False) there."
+                )
             # Every stage's layers get the positions row: int32[T/cp] (every example's is
             # the same, see `token_batch`), whatever micro-batch they run.
             return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
-        call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
+        call = _remat(lambda unit, x, positions, segments: unit(x, positions, segments), self.config)
         # Regathering FSDP units without a remat policy, dense and on one context shard,
         # keep only top-level tensor-parallel collectives: their scan is differentiated
         # as one (`scan_units`, the same values and gradients, traced in fewer passes).
@@ -443,20 +465,20 @@ class GPT(eqx.Module):
             and scannable(params, static, x)
         )
 
-        def blocks(x: Array, params: Any, positions: Array | None) -> tuple[Array, MoEAuxSum]:
+        def blocks(x: Array, params: Any, positions: Array | None, segments: Array | None) -> tuple[Array, MoEAuxSum]:
             def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
                 unit = drop_leading_axis(eqx.combine(layer, static))
-                return call(unit, x, positions)
+                return call(unit, x, positions, segments)
 
             if as_one:
-                x, aux = scan_units(params, static, x, positions)
+                x, aux = scan_units(params, static, x, positions, segments)
             else:
                 x, aux = jax.lax.scan(body, x, params, unroll=_unroll(self.config))
             return x, jax.tree.map(lambda a: a.sum(0), aux)
 
         chunks = self.config.batch_chunks
         if chunks == 1:
-            return blocks(x, params, positions)
+            return blocks(x, params, positions, segment_ids)
         batch = x.shape[0]
         if batch % chunks:
             raise LayerConfigError(
@@ -469,9 +491,8 @@ class GPT(eqx.Module):
         params = cast_varying(params, varying_axes(x))
         size = batch // chunks
         pieces = [slice(i * size, (i + 1) * size) for i in range(chunks)]
-        outs = [
-            blocks(x[p], params, None if positions is None else positions[p])[0] for p in pieces
-        ]
+        piece = lambda a, p: None if a is None else a[p]  # noqa: E731
+        outs = [blocks(x[p], params, piece(positions, p), piece(segment_ids, p))[0] for p in pieces]
         # No MoE layers here (`_check`): their statistics are zero.
         return jnp.concatenate(outs, axis=0), MoEAuxSum.zeros()
 
@@ -495,6 +516,30 @@ class GPT(eqx.Module):
         head = self._gathered(self.head, h)
         table = None if head is not None else self._gathered(self.embed, h).weight
         return _mean_cross_entropy(self.config, self.parallelism, h, head, table, labels)
+
+    def _packed_loss(self, h: Array, labels: Array, aux: MoEAuxSum) -> tuple[Array, dict[str, Array]]:
+        """The loss of a packed batch: the cross-entropy summed over the labelled tokens of
+        the global batch over their count (devices hold different counts), plus the MoE
+        auxiliary losses as `loss` adds them."""
+        par = self.parallelism
+        h = self._gathered(self.norm, h)(h)
+        head = self._gathered(self.head, h)
+        table = None if head is not None else self._gathered(self.embed, h).weight
+        total, count = _cross_entropy_sums(self.config, par, h, head, table, labels, IGNORE_LABEL)
+        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
+        if mean_axes:
+            total, count = jax.lax.psum((total, count), mean_axes)
+        ce = total / jnp.maximum(count, 1).astype(total.dtype)
+        metrics = {"cross_entropy": ce}
+        loss = ce
+        moe_layers = self.config.n_layers // self.config.moe_every if self.config.moe_every else 0
+        if moe_layers:
+            lb, z = aux.load_balancing_loss / moe_layers, aux.z_loss / moe_layers
+            if mean_axes:
+                lb, z = jax.lax.pmean((lb, z), mean_axes)
+            loss = loss + self.config.aux_loss_weight * lb + self.config.z_loss_weight * z
+            metrics.update(load_balancing_loss=lb, z_loss=z, dropped=aux.dropped)
+        return loss, metrics
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
         """Logits for `ids` (local view)."""
@@ -580,26 +625,28 @@ class GPT(eqx.Module):
 
         - `batch`: this device's `int32[B/data, T + 1]` windows (inputs `[:, :-1]`,
           targets `[:, 1:]`), or the dict of `token_batch` (`inputs`, `labels`,
-          `positions`, each `int32[B/data, T/cp]`), which a context axis needs.
+          `positions`, each `int32[B/data, T/cp]`), which a context axis needs, or a
+          packed batch of documents (`equishard.train.pack_windows`: also
+          `segment_ids` and `document_positions`; see `GPTConfig.document_masking`).
         - `key`: unused (the model has no dropout); kept for `make_train_step`.
 
         **Returns:**
 
         `(loss, metrics)`: cross-entropy (nats per token) plus the weighted MoE
-        auxiliary losses, averaged over the global batch; metrics are global scalars.
+        auxiliary losses, averaged over the global batch (a packed batch: over its
+        labelled tokens); metrics are global scalars.
         """
         del key
         par = self.parallelism
-        if isinstance(batch, dict):
-            ids, labels, positions = batch["inputs"], batch["labels"], batch["positions"]
-        else:
-            ids, labels, positions = batch[:, :-1], batch[:, 1:], None
+        ids, labels, positions, segments, packed = _batch_fields(self.config, par, batch)
         if isinstance(self.units, PipelineModule) and self.units.explicit:
             if par.context and positions is None:
                 self.hidden(ids, positions)  # raises: the context axis needs positions
             return self._scheduled_loss(ids, labels, positions)
         model = self._tie_varying(ids) if self.config.tied else self
-        h, aux = model.hidden(ids, positions)
+        h, aux = model.hidden(ids, positions, segments)
+        if packed:
+            return model._packed_loss(h, labels, aux)
         ce = model._cross_entropy(h, labels)
         loss = ce
         moe_layers = self.config.n_layers // self.config.moe_every if self.config.moe_every else 0
@@ -634,12 +681,23 @@ def _mean_cross_entropy(
     `h`: `[B, T(/tp), D]` (split over the tokens with sequence parallelism); the output
     weight is the untied `head`'s or the tied embedding `table` (`f32[V/tp, D]`).
     """
+    return _cross_entropy_sums(config, par, h, head, table, labels, None)[0] / labels.size
+
+
+def _cross_entropy_sums(
+    config: GPTConfig, par: Parallelism, h: Array, head: ColumnParallelLinear | None,
+    table: Any, labels: Array, ignore_index: int | None,
+) -> tuple[Float[Array, ""], Int[Array, ""]]:  # fmt: skip
+    """The cross-entropy summed over the local tokens whose label is not `ignore_index`,
+    and their count, from the normed hidden states `h` (as `_mean_cross_entropy`)."""
     if config.fused_loss:
         if par.sequence_parallel and is_bound(TP):
             h = gather_tokens(h, TP)  # f32[B, T/tp, D] -> f32[B, T, D]
         weight = head.weight if head is not None else table
-        sums = fused_cross_entropy(h, weight, labels, TP, chunk_size=config.loss_chunk_size)
-        return sums.loss / labels.size
+        sums = fused_cross_entropy(
+            h, weight, labels, TP, chunk_size=config.loss_chunk_size, ignore_index=ignore_index
+        )
+        return sums.loss, sums.tokens
     if head is not None:
         logits = head(h)
     else:
@@ -647,7 +705,32 @@ def _mean_cross_entropy(
             h = gather_tokens(h, TP)
         # f32[B, T, D] @ f32[D, V/tp]
         logits = matmul_t(h, jnp.asarray(table.value))
-    return jnp.mean(vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, TP))
+    ce = vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, TP, ignore_index=ignore_index)
+    count = labels.size if ignore_index is None else jnp.sum(labels != ignore_index)
+    return jnp.sum(ce), jnp.asarray(count, jnp.int32)
+
+
+def _batch_fields(
+    config: GPTConfig, par: Parallelism, batch: Any
+) -> tuple[Array, Array, Array | None, Array | None, bool]:
+    """`(ids, labels, positions, segment_ids, packed)` of a batch given to `GPT.loss`.
+
+    A packed batch (with `segment_ids`) under `config.document_masking` gives its
+    documents' positions and segment ids; without, its global positions and no segments.
+    """
+    if not isinstance(batch, dict):
+        return batch[:, :-1], batch[:, 1:], None, None, False
+    ids, labels, positions = batch["inputs"], batch["labels"], batch["positions"]
+    if "segment_ids" not in batch:
+        return ids, labels, positions, None, False
+    if par.pipeline:
+        raise LayerConfigError(
+            f"GPT: a packed batch (segment_ids) is not supported with the pipeline axis "
+            f"{par.pipeline!r} yet: its loss weighs micro-batches by their labelled tokens."
+        )
+    if config.document_masking:
+        return ids, labels, batch["document_positions"], batch["segment_ids"], True
+    return ids, labels, positions, None, True
 
 
 def _position_row(positions: Array | None) -> tuple[Array, ...]:

@@ -7,6 +7,15 @@ the train step and the plain-Equinox export need only the base install.
 import importlib
 import typing
 
+from ._data import (
+    IGNORE_LABEL as IGNORE_LABEL,
+    DataSource as DataSource,
+    batch_at as batch_at,
+    epoch_permutation as epoch_permutation,
+    example_indices as example_indices,
+    pack_windows as pack_windows,
+    read_examples as read_examples,
+)
 from ._export import export_model as export_model, import_model as import_model
 from ._gradients import global_norm as global_norm
 from ._state import TrainState as TrainState, init_train_state as init_train_state
