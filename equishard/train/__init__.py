@@ -24,6 +24,7 @@ from ._step import (
     TrainStep as TrainStep,
     make_train_step as make_train_step,
 )
+from ._token_files import TokenFiles as TokenFiles, read_manifest as read_manifest
 
 if typing.TYPE_CHECKING:
     from ._checkpoint import Checkpointer as Checkpointer
