@@ -37,6 +37,7 @@ import numpy as np
 from jaxtyping import Int, Int32, Int64, UInt8
 
 from .._errors import EquishardError
+from ..train import counter_bits
 
 VAL_EVERY = 20
 """One file in `VAL_EVERY` (sorted index `i % VAL_EVERY == VAL_EVERY - 1`) is validation."""
@@ -206,18 +207,6 @@ def _load_stdlib_corpus(val_every: int) -> ByteCorpus:
     return ByteCorpus.from_documents(_stdlib_documents(), val_every=val_every)
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijective mix of uint64 values (wrapping arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def sample_offsets(
     sample_indices: Int[np.ndarray, " n"], num_offsets: int, *, seed: int
 ) -> Int64[np.ndarray, " n"]:
@@ -239,12 +228,7 @@ def sample_offsets(
 
     An `int64` array of offsets, one per index.
     """
-    if not 0 <= seed < 2**64:
-        raise EquishardError(f"seed must be in [0, 2**64), got {seed}.")
-    with np.errstate(over="ignore"):
-        state = _splitmix64(np.array([seed], dtype=np.uint64))
-        counter = np.asarray(sample_indices, dtype=np.uint64) + np.uint64(1)
-        bits = _splitmix64(state + counter * _GOLDEN)
+    bits = counter_bits(seed, sample_indices)  # mix(mix(seed) + (g + 1) φ), uint64
     return (bits % np.uint64(num_offsets)).astype(np.int64)
 
 

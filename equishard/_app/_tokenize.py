@@ -27,7 +27,8 @@ import numpy as np
 
 from .._errors import EquishardError
 from ..train import TokenFiles
-from ..train._internal import FORMAT, MANIFEST
+
+MANIFEST, FORMAT = TokenFiles.MANIFEST, TokenFiles.FORMAT
 
 EOT_TOKEN = "<|endoftext|>"
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")

@@ -11,8 +11,10 @@ from ._data import (
     IGNORE_LABEL as IGNORE_LABEL,
     DataSource as DataSource,
     batch_at as batch_at,
+    counter_bits as counter_bits,
     epoch_permutation as epoch_permutation,
     example_indices as example_indices,
+    mix64 as mix64,
     pack_windows as pack_windows,
     read_examples as read_examples,
 )

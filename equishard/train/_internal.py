@@ -5,4 +5,3 @@ Importing it imports orbax (the `train` extra): only the application does.
 """
 
 from ._checkpoint import committed_steps as committed_steps, probe_writable as probe_writable
-from ._token_files import FORMAT as FORMAT, MANIFEST as MANIFEST

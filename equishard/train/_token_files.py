@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from jaxtyping import Int
@@ -46,6 +46,11 @@ class TokenFiles:
     manifest of another format, a shard missing or shorter than the manifest says, or
     a split too short for one sequence.
     """
+
+    MANIFEST: ClassVar[str] = MANIFEST
+    """The manifest's file name, written last."""
+    FORMAT: ClassVar[str] = FORMAT
+    """The manifest's `format`."""
 
     def __init__(self, directory: str | pathlib.Path, seq_len: int, *, split: str = "train", cp: int = 1):
         self.directory = pathlib.Path(directory)
