@@ -11,16 +11,21 @@ import pathlib
 import grain
 import jax
 import numpy as np
+import optax
 import pytest
 
+import equishard as es
 from equishard import EquishardError
 from equishard._app._tokenize import check_token_files, tokenize
+from equishard.models import GPT, GPTConfig
 from equishard.train import (
     IGNORE_LABEL,
     TokenFiles,
     _data as data_module,
     batch_at,
     example_indices,
+    init_train_state,
+    make_train_step,
 )
 
 SEQ = 16
@@ -165,3 +170,33 @@ def _empty_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     d = tmp_path / "empty"
     d.mkdir()
     return d
+
+
+def _train_on_token_files(corpus: pathlib.Path, spec: str, steps: int = 3, **layout_kw):
+    """Per step: the loss and a hash of the step's token ids (in sequence order)."""
+    layout = es.Layout(spec, **layout_kw)
+    mesh, par = layout.mesh(), layout.parallelism()
+    cp = par.size(par.context)
+    config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    check_token_files(corpus, SEQ, config.vocab_size)
+    files = TokenFiles(corpus, SEQ, cp=cp)
+    optimizer = optax.adamw(3e-3)
+    state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    sharding = jax.sharding.NamedSharding(mesh, layout.batch_spec())
+    out = []
+    for i in range(steps):
+        batch = batch_at(files, 8 * i, 8, seed=0, sharding=sharding)
+        order = np.argsort(np.asarray(batch["positions"])[0])  # back to sequence order
+        digest = hashlib.sha256(np.asarray(batch["inputs"])[:, order].tobytes()).hexdigest()
+        state, metrics = step(state, batch)
+        out.append((float(metrics["loss"]), digest))
+    return out
+
+
+def test_training_on_token_files_is_the_same_on_two_layouts(corpus):
+    a = _train_on_token_files(corpus, "dp=2")
+    b = _train_on_token_files(corpus, "dp=2,cp=2", cp_impl="alltoall")
+    assert [d for _, d in a] == [d for _, d in b]
+    for (la, _), (lb, _) in zip(a, b):
+        assert abs(la - lb) <= 1e-4 * abs(la)

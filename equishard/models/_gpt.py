@@ -231,12 +231,44 @@ class _OutputOnly(eqx.Module):
     """A unit as a pipeline stage: activations in, activations out.
 
     `positions` (`[T]`, the same for every example) reaches every stage's call unchanged.
+    A packed batch's per-example positions and segment ids travel with the activations
+    instead (`_attach_tokens`: features past `d_model`), so each micro-batch has its own.
     """
 
     unit: Any
+    d_model: int = eqx.field(static=True, default=0)
 
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
-        return self.unit(x, positions)[0]
+        if not self.d_model or x.shape[-1] == self.d_model:
+            return self.unit(x, positions)[0]
+        h, carried = x[..., : self.d_model], x[..., self.d_model :]
+        doc_positions, segments = _detach_tokens(carried)
+        return jnp.concatenate([self.unit(h, doc_positions, segments)[0], carried], axis=-1)
+
+
+_DIGITS = 3  # base-256 digits per carried int: ids below 2**24, exact in bf16 and float16
+
+
+def _attach_tokens(x: Array, positions: Array, segments: Array) -> Array:
+    """`x` `[b, t, D]` with the tokens' int positions and segment ids `[b, T]` appended as
+    features `[b, t, D + 6 T / t]`: base-256 digits (exact in any float dtype, no
+    arithmetic the pipeline does changes them), never differentiated."""
+    b, t = x.shape[:2]
+    ints = jnp.stack([positions, segments], axis=-1).astype(jnp.int32)  # i32[b, T, 2]
+    digits = jnp.stack([(ints >> (8 * i)) & 255 for i in range(_DIGITS)], axis=-1)  # [b, T, 2, 3]
+    carried = jax.lax.stop_gradient(digits.reshape(b, t, -1).astype(x.dtype))  # [b, t, 6 T / t]
+    return jnp.concatenate([x, cast_varying(carried, varying_axes(x))], axis=-1)
+
+
+def _detach_tokens(carried: Array) -> tuple[Array, Array]:
+    """`_attach_tokens`' appended features back to int32 positions and segment ids `[b, T]`."""
+    b = carried.shape[0]
+    digits = jnp.round(jax.lax.stop_gradient(carried).astype(jnp.float32)).astype(jnp.int32)
+    digits = digits.reshape(b, -1, 2, _DIGITS)
+    ints = digits[..., 0]
+    for i in range(1, _DIGITS):
+        ints = ints | (digits[..., i] << (8 * i))  # i32[b, T, 2]
+    return ints[..., 0], ints[..., 1]
 
 
 def _remat(fn: Any, config: GPTConfig) -> Any:
@@ -394,7 +426,7 @@ class GPT(eqx.Module):
 
         if par.pipeline:
             units: Any = PipelineModule(
-                lambda k: _OutputOnly(make_unit(k)), par.pipeline, par.num_microbatches,
+                lambda k: _OutputOnly(make_unit(k), config.d_model), par.pipeline, par.num_microbatches,
                 num_layers=num_units, num_stages=par.num_stages, repeats=par.pipeline_repeats,
                 schedule=par.pipeline_schedule, key=ukey,
             )  # fmt: skip
@@ -445,11 +477,10 @@ class GPT(eqx.Module):
         x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
             if segment_ids is not None:
-                raise LayerConfigError(
-                    f"GPT: document masking (segment_ids) is not supported with the pipeline "
-                    f"axis {self.parallelism.pipeline!r} yet; train packed data with "
-                    f"GPTConfig(document_masking=False) there."
-                )
+                assert positions is not None
+                # Each micro-batch's positions and segment ids travel with its activations.
+                y = self.units(_attach_tokens(x, positions, segment_ids))
+                return y[..., : self.config.d_model], MoEAuxSum.zeros()
             # Every stage's layers get the positions row: int32[T/cp] (every example's is
             # the same, see `token_batch`), whatever micro-batch they run.
             return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
@@ -539,6 +570,9 @@ class GPT(eqx.Module):
                 lb, z = jax.lax.pmean((lb, z), mean_axes)
             loss = loss + self.config.aux_loss_weight * lb + self.config.z_loss_weight * z
             metrics.update(load_balancing_loss=lb, z_loss=z, dropped=aux.dropped)
+        if par.pipeline:  # computed on every stage, from the last stage's outputs
+            loss, ce = from_last_stage(loss, par.pipeline), from_last_stage(ce, par.pipeline)
+            metrics["cross_entropy"] = ce
         return loss, metrics
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
@@ -576,15 +610,21 @@ class GPT(eqx.Module):
         return eqx.tree_at(lambda m: m.embed.weight.value, self, table)
 
     def _scheduled_loss(
-        self, ids: Array, labels: Array, positions: Array | None = None
-    ) -> tuple[Array, dict[str, Array]]:
+        self, ids: Array, labels: Array, positions: Array | None = None,
+        segments: Array | None = None, packed: bool = False,
+    ) -> tuple[Array, dict[str, Array]]:  # fmt: skip
         """The loss with an explicit pipeline schedule (1F1B, interleaved 1F1B, ZB-H1).
 
         The embedding runs on the first stage and the final norm, head and cross-entropy
         on the last, micro-batch by micro-batch inside the schedule
-        (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch.
+        (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch. A
+        packed batch's micro-batches carry their positions and segment ids with their
+        activations, and each one's loss is its labelled tokens' sum over the global
+        count (known before the schedule).
         """
         par = self.parallelism
+        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
+        d_model = self.config.d_model
         # Under fsdp the embedding, norm and head are gathered here, once per step (their
         # gradients summed over the micro-batches, then reduce-scattered once), as the
         # pipeline gathers its units.
@@ -600,20 +640,36 @@ class GPT(eqx.Module):
         tail = (norm, head, None if head is not None else embed.weight)
         tail_arrays, tail_static = eqx.partition(tail, eqx.is_array)
 
-        def first(arrays: Any, ids_m: Array) -> Array:
-            return eqx.combine(arrays, embed_static)(ids_m)  # f32[b, T(/tp), D]
+        def first(arrays: Any, inputs_m: Any) -> Array:
+            if segments is None:
+                return eqx.combine(arrays, embed_static)(inputs_m)  # f32[b, T(/tp), D]
+            ids_m, positions_m, segments_m = inputs_m
+            return _attach_tokens(eqx.combine(arrays, embed_static)(ids_m), positions_m, segments_m)
 
-        def last(arrays: Any, h: Array, labels_m: Array) -> Array:
+        def last(arrays: Any, h: Array, targets_m: Any) -> Array:
             norm, head, table = eqx.combine(arrays, tail_static)
-            return _mean_cross_entropy(self.config, par, norm(h), head, table, labels_m)
+            h = norm(h[..., :d_model])
+            if not packed:
+                return _mean_cross_entropy(self.config, par, h, head, table, targets_m)
+            labels_m, scale_m = targets_m
+            total = _cross_entropy_sums(self.config, par, h, head, table, labels_m, IGNORE_LABEL)[0]
+            return total * scale_m[0]
 
+        targets: Any = labels
+        if packed:
+            # The schedule averages its micro-batches: each one's sum is scaled by
+            # M / (the global batch's labelled tokens), one value per example. f32[B]
+            count = jnp.sum(labels != IGNORE_LABEL)
+            count = jax.lax.psum(count, mean_axes) if mean_axes else count
+            scale = self.units.num_microbatches / jnp.maximum(count, 1).astype(jnp.float32)
+            targets = (labels, jnp.broadcast_to(scale, labels.shape[:1]))
         ce = self.units.loss(
-            ids, labels, first=first, first_params=embed_arrays, last=last,
-            last_params=tail_arrays, layer_args=_position_row(positions),
+            ids if segments is None else (ids, positions, segments), targets, first=first,
+            first_params=embed_arrays, last=last, last_params=tail_arrays,
+            layer_args=_position_row(positions) if segments is None else (),
         )  # fmt: skip
-        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
         if mean_axes:
-            ce = jax.lax.pmean(ce, mean_axes)
+            ce = jax.lax.psum(ce, mean_axes) if packed else jax.lax.pmean(ce, mean_axes)
         return ce, {"cross_entropy": ce}
 
     def loss(
@@ -642,7 +698,7 @@ class GPT(eqx.Module):
         if isinstance(self.units, PipelineModule) and self.units.explicit:
             if par.context and positions is None:
                 self.hidden(ids, positions)  # raises: the context axis needs positions
-            return self._scheduled_loss(ids, labels, positions)
+            return self._scheduled_loss(ids, labels, positions, segments, packed)
         model = self._tie_varying(ids) if self.config.tied else self
         h, aux = model.hidden(ids, positions, segments)
         if packed:
@@ -723,11 +779,6 @@ def _batch_fields(
     ids, labels, positions = batch["inputs"], batch["labels"], batch["positions"]
     if "segment_ids" not in batch:
         return ids, labels, positions, None, False
-    if par.pipeline:
-        raise LayerConfigError(
-            f"GPT: a packed batch (segment_ids) is not supported with the pipeline axis "
-            f"{par.pipeline!r} yet: its loss weighs micro-batches by their labelled tokens."
-        )
     if config.document_masking:
         return ids, labels, batch["document_positions"], batch["segment_ids"], True
     return ids, labels, positions, None, True
