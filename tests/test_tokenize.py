@@ -16,6 +16,7 @@ import pytest
 
 import equishard as es
 from equishard import EquishardError
+from equishard._app._token_data import load_token_data
 from equishard._app._tokenize import check_token_files, tokenize
 from equishard.models import GPT, GPTConfig
 from equishard.train import (
@@ -200,3 +201,14 @@ def test_training_on_token_files_is_the_same_on_two_layouts(corpus):
     assert [d for _, d in a] == [d for _, d in b]
     for (la, _), (lb, _) in zip(a, b):
         assert abs(la - lb) <= 1e-4 * abs(la)
+
+
+def test_token_data_for_the_train_command(corpus):
+    data = load_token_data(corpus, SEQ)
+    assert data.vocab_size == 320  # the tokenizer's 300, rounded up to a multiple of 64
+    assert 0 < data.nats_per_byte(1.0) < 1.0  # a BPE token holds more than a byte
+    val = data.batch("val", 0, 2, seed=0)
+    assert val["inputs"].shape == (2, SEQ)
+    assert data.identity()["tokenizer_sha256"] == json.loads((corpus / "manifest.json").read_text())["tokenizer"]["sha256"]
+    with pytest.raises(EquishardError, match="checkpoint's vocabulary of 256 is smaller than the tokenizer's 300"):
+        load_token_data(corpus, SEQ, init_vocab_size=256)

@@ -160,9 +160,9 @@ class _Writer:
         self.mask_file = f"{split}-00000.mask.bin" if with_mask else None
         self._f = open(folder / self.file, "wb")
         self._m = open(folder / self.mask_file, "wb") if self.mask_file else None
-        self.tokens = self.documents = 0
+        self.tokens = self.documents = self.bytes = 0
 
-    def add(self, ids: np.ndarray, prompt_len: int) -> None:
+    def add(self, ids: np.ndarray, prompt_len: int, nbytes: int) -> None:
         self._f.write(ids.astype(self.dtype).tobytes())
         if self._m is not None:
             mask = np.ones(len(ids), np.uint8)
@@ -170,22 +170,26 @@ class _Writer:
             self._m.write(mask.tobytes())
         self.tokens += len(ids)
         self.documents += 1
+        self.bytes += nbytes
 
     def close(self) -> dict[str, Any]:
         self._f.close()
         if self._m is not None:
             self._m.close()
         shard = {"file": self.file, "tokens": self.tokens, "documents": self.documents, "mask": self.mask_file}
-        return {"tokens": self.tokens, "documents": self.documents, "shards": [shard]}
+        return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "shards": [shard]}
 
 
-def _encoded(tokenizer: Any, docs: Iterator[tuple[str, str]], workers: int) -> Iterator[tuple[list[int], int]]:
-    """`(ids, prompt_len)` per document, encoded in batches on `workers` threads."""
+def _encoded(
+    tokenizer: Any, docs: Iterator[tuple[str, str]], workers: int
+) -> Iterator[tuple[list[int], int, int]]:
+    """`(ids, prompt_len, utf8_bytes)` per document, encoded in batches on `workers` threads."""
 
-    def encode(batch: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
+    def encode(batch: list[tuple[str, str]]) -> list[tuple[list[int], int, int]]:
         prompts = tokenizer.encode_batch([p for p, _ in batch], add_special_tokens=False)
         texts = tokenizer.encode_batch([t for _, t in batch], add_special_tokens=False)
-        return [(p.ids + t.ids, len(p.ids)) for p, t in zip(prompts, texts)]
+        sizes = [len(p.encode()) + len(t.encode()) for p, t in batch]
+        return [(p.ids + t.ids, len(p.ids), n) for p, t, n in zip(prompts, texts, sizes)]
 
     def batches() -> Iterator[list[tuple[str, str]]]:
         batch: list[tuple[str, str]] = []
@@ -273,9 +277,9 @@ def _write(
     with_mask = any(".jsonl" in f.name for f in files)
     writers = {s: _Writer(folder, s, dtype, with_mask) for s in ("train", "val")}
     bar = _bar(progress)
-    for i, (ids, prompt_len) in enumerate(_encoded(tok, documents(files, text_field), workers)):
+    for i, (ids, prompt_len, nbytes) in enumerate(_encoded(tok, documents(files, text_field), workers)):
         split = "val" if i % val_every == val_every - 1 else "train"
-        writers[split].add(np.asarray([*ids, eot], np.int64), prompt_len)
+        writers[split].add(np.asarray([*ids, eot], np.int64), prompt_len, nbytes)
         bar(i + 1)
     splits = {s: w.close() for s, w in writers.items()}
     if splits["train"]["documents"] == 0:
