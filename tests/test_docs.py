@@ -49,6 +49,7 @@ PAGES = {
     "inspect-and-plan.md": ("inspect_and_plan.py",),
     "train-output.md": ("train_output.py",),
     "long-sequences.md": ("long_sequences.py",),
+    "your-data.md": ("your_data.py",),
     "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py"),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
@@ -318,6 +319,15 @@ def test_long_sequences():
     assert rows[8192][1] <= 2.2 * rows[4096][1] and rows[8192][0] >= 3.5 * rows[4096][0]
     zigzag = lines_after(out, "zigzag     block pairs per device ")[0]
     assert "max/min 1.00" in zigzag
+
+
+def test_your_data():
+    out = run_example("your_data.py")
+    assert "-1" in lines_after(out, "labels ")[0]  # the label after an end-of-text token
+    masked, unmasked = (floats(line)[0] for line in out.splitlines() if line.startswith("document_masking="))
+    assert abs(masked - unmasked) > 1e-3  # attention across the boundary is what the flag turns off
+    worst = [floats(line)[-1] for line in out.splitlines() if "max relative difference" in line]
+    assert len(worst) == 2 and all(w <= 1e-4 for w in worst)
 
 
 def test_inspect_and_plan():
