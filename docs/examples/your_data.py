@@ -59,8 +59,8 @@ for masking in (True, False):
 # --8<-- [end:packed]
 
 # --8<-- [start:train]
-def train_on(spec, steps=4, **layout_options):
-    layout = es.Layout(spec, **layout_options)
+def train_on(spec, layout_options=None, steps=4):
+    layout = es.Layout(spec, **(layout_options or {}))
     mesh, par = layout.mesh(), layout.parallelism()
     files = TokenFiles(work / "data", seq_len=128, cp=par.size(par.context))
     optimizer = optax.adamw(3e-3)
@@ -76,7 +76,7 @@ def train_on(spec, steps=4, **layout_options):
 
 one = train_on("dp=1")
 for spec, options in (("dp=2,cp=2", {"cp_impl": "ring"}), ("dp=2,pp=2", {})):
-    losses = train_on(spec, **options)
+    losses = train_on(spec, options)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, one))
     print(f"{spec:10s} losses {' '.join(f'{x:.4f}' for x in losses)}  max relative difference {worst:.1e}")
 print(json.dumps({"dp=1": [round(x, 4) for x in one]}))
