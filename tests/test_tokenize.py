@@ -6,7 +6,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import grain
 import jax
@@ -96,17 +99,18 @@ def test_each_process_reads_only_its_rows(corpus, monkeypatch):
     reads: list[tuple[int, int, int]] = []
     real = files.read_range
     monkeypatch.setattr(files, "read_range", lambda s, a, b: reads.append((s, a, b)) or real(s, a, b))
+    # As process 1 of 2, holding rows [2, 4) of a batch of 4.
     monkeypatch.setattr(data_module.jax, "process_count", lambda: 2)
-    # Process 1 of 2 holds rows [2, 4) of a batch of 4 (a template row is read first).
+    monkeypatch.setattr(data_module, "process_rows", lambda sharding, shape: [range(2, 4)])
     monkeypatch.setattr(data_module, "global_array_from_rows", lambda sharding, shape, read: read(2, 4))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     for step in range(3):
         reads.clear()
-        batch_at(files, 4 * step, 4, seed=1, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        batch = batch_at(files, 4 * step, 4, seed=1, sharding=sharding)
         mine = example_indices(len(files), np.arange(4 * step + 2, 4 * step + 4), seed=1)
-        expected = [(0, int(i) * SEQ, int(i) * SEQ + SEQ + 1) for i in mine]
-        template = example_indices(len(files), np.array([4 * step]), seed=1)
-        assert reads[0] == (0, int(template[0]) * SEQ, int(template[0]) * SEQ + SEQ + 1)
-        assert reads[1:] == expected * 5  # one read of its rows per field
+        # One read per row it holds, of that row's window, and nothing else.
+        assert reads == [(0, int(i) * SEQ, int(i) * SEQ + SEQ + 1) for i in mine]
+        assert np.array_equal(batch["inputs"], files.read(mine)["inputs"])
 
 
 def test_numpy_and_grain_sources():
@@ -212,3 +216,40 @@ def test_token_data_for_the_train_command(corpus):
     assert data.identity()["tokenizer_sha256"] == json.loads((corpus / "manifest.json").read_text())["tokenizer"]["sha256"]
     with pytest.raises(EquishardError, match="checkpoint's vocabulary of 256 is smaller than the tokenizer's 300"):
         load_token_data(corpus, SEQ, init_vocab_size=256)
+
+
+_TWO_PROCESSES = """
+import sys, numpy as np, jax
+from equishard import distributed
+distributed.initialize()
+from jax.experimental import multihost_utils
+import equishard as es
+from equishard.train import TokenFiles, batch_at, example_indices
+
+layout = es.Layout("dp=8")
+sharding = jax.sharding.NamedSharding(layout.mesh(), layout.batch_spec())
+files = TokenFiles(sys.argv[1], 16)
+reads = []
+real = files.read_range
+files.read_range = lambda s, a, b: reads.append((a, b)) or real(s, a, b)
+i = jax.process_index()
+for step in range(3):
+    reads.clear()
+    batch = batch_at(files, 8 * step, 8, seed=2, sharding=sharding)
+    every = example_indices(len(files), np.arange(8 * step, 8 * step + 8), seed=2)
+    mine = every[4 * i : 4 * i + 4]  # process i holds rows [4i, 4i + 4)
+    assert reads == [(int(j) * 16, int(j) * 16 + 17) for j in mine], (reads, mine)
+    whole = multihost_utils.process_allgather(batch["inputs"], tiled=True)
+    np.testing.assert_array_equal(whole, files.read(every)["inputs"])
+print("token rows ok")
+"""
+
+
+def test_two_processes_read_only_their_rows_of_the_token_files(corpus, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EQUISHARD_")}
+    argv = [sys.executable, "-m", "equishard", "launch", "-n", "2", "--devices", "8", "--",
+            sys.executable, "-c", _TWO_PROCESSES, str(corpus)]  # fmt: skip
+    done = subprocess.run(argv, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "[0] token rows ok" in out and "[1] token rows ok" in out

@@ -38,7 +38,7 @@ from jaxtyping import Int, Int32, Int64
 
 from .._errors import EquishardError
 from ..core import zigzag_indices
-from ..distributed import global_array_from_rows
+from ..distributed import global_array_from_rows, process_rows
 
 IGNORE_LABEL = -1
 """The label of a token that is not predicted (a document's last token in a packed
@@ -205,8 +205,9 @@ def batch_at(
 
     Row `j` is global example `position + j` (see `example_indices`), a pure function of
     `(seed, position + j)`. With a `sharding` in a multi-process run, this process
-    reads only the rows its devices hold (`global_array_from_rows`, once per field) and
-    the result is global `jax.Array`s; otherwise the whole batch, as NumPy arrays.
+    reads only the rows its devices hold (`equishard.distributed.process_rows`), each
+    once, and the result is global `jax.Array`s (`global_array_from_rows`); otherwise
+    the whole batch, as NumPy arrays.
 
     **Arguments:**
 
@@ -242,14 +243,20 @@ def batch_at(
 
     if sharding is None or jax.process_count() == 1:
         return rows(0, batch_size)
-    template = rows(0, 1)  # one row, for the fields' shapes
-    shapes = jax.tree.map(lambda a: (batch_size, *np.shape(a)[1:]), template)
-    if isinstance(template, dict):
+    # This process's runs of rows, each read once (all fields at a time): only the rows
+    # are split over processes, so a shape of the sharding's rank with any trailing sizes
+    # names the same rows. f32[b_run, ...] per run
+    rank = max(len(getattr(sharding, "spec", ())), 1)
+    probe = (batch_size,) + (len(sharding.device_set),) * (rank - 1)
+    local = {(r.start, r.stop): rows(r.start, r.stop) for r in process_rows(sharding, probe)}
+    first = next(iter(local.values()))
+    shape = lambda a: (batch_size, *np.shape(a)[1:])  # noqa: E731
+    if isinstance(first, dict):
         return {
-            k: global_array_from_rows(sharding, shapes[k], lambda a, b, k=k: rows(a, b)[k])
-            for k in template
+            k: global_array_from_rows(sharding, shape(first[k]), lambda a, b, k=k: local[(a, b)][k])
+            for k in first
         }
-    return global_array_from_rows(sharding, shapes, rows)
+    return global_array_from_rows(sharding, shape(first), lambda a, b: local[(a, b)])
 
 
 def pack_windows(
