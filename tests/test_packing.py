@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.models import GPT, GPTConfig
+from equishard.models._gpt import _attach_tokens, _detach_tokens
 from equishard.models._internal import to_single_device
 from equishard.train import IGNORE_LABEL, pack_windows
 
@@ -136,3 +137,12 @@ def _one_device_grads():
     model, _ = _reference()
     packed = pack_windows(_windows(), eot=EOT)
     return eqx.filter_jit(eqx.filter_grad(lambda m, b: m.loss(b)[0]))(model, packed)
+
+
+def test_pipeline_carries_positions_and_segments_exactly_in_any_float_dtype():
+    rng = np.random.default_rng(0)
+    pos, seg = (jnp.asarray(rng.integers(0, 2**24, (2, 16)), jnp.int32) for _ in range(2))
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        carried = _attach_tokens(jnp.ones((2, 4, 8), dtype), pos, seg)[..., 8:]  # t = T / 4 (sp)
+        back = _detach_tokens(carried)
+        assert carried.dtype == dtype and all(bool((a == b).all()) for a, b in zip(back, (pos, seg)))

@@ -254,6 +254,11 @@ def _attach_tokens(x: Array, positions: Array, segments: Array) -> Array:
     features `[b, t, D + 6 T / t]`: base-256 digits (exact in any float dtype, no
     arithmetic the pipeline does changes them), never differentiated."""
     b, t = x.shape[:2]
+    if positions.shape[-1] >= 2 ** (8 * _DIGITS):  # positions and segment ids are below T
+        raise LayerConfigError(
+            f"GPT: a pipeline carries a packed batch's positions in {_DIGITS} base-256 digits; "
+            f"sequences of {positions.shape[-1]} tokens need more."
+        )
     ints = jnp.stack([positions, segments], axis=-1).astype(jnp.int32)  # i32[b, T, 2]
     digits = jnp.stack([(ints >> (8 * i)) & 255 for i in range(_DIGITS)], axis=-1)  # [b, T, 2, 3]
     carried = jax.lax.stop_gradient(digits.reshape(b, t, -1).astype(x.dtype))  # [b, t, 6 T / t]
