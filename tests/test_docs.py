@@ -52,6 +52,7 @@ PAGES = {
     "generating.md": ("generating.py",),
     "your-own-model.md": ("your_own_model.py", "your_own_cnn_and_vit.py", "your_own_conv_and_scan.py"),
     "hugging-face.md": ("hugging_face.py",),
+    "your-data.md": ("your_data.py",),
 }
 LAUNCHED = {"multihost.py"}  # also run as 2 processes by `equishard launch`
 TESTED_ELSEWHERE = {"distill.py"}  # tests/test_distill.py
@@ -339,6 +340,15 @@ def test_hugging_face():
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2]
     assert floats(lines_after(out, "exported and reloaded under tp=4: ")[0])[-1] <= 1e-5
     assert "checkpoint tensor lm_head.weight (64, 32)" in out
+
+
+def test_your_data():
+    out = run_example("your_data.py")
+    assert "-1" in lines_after(out, "labels ")[0]  # the label after an end-of-text token
+    masked, unmasked = (floats(line)[0] for line in out.splitlines() if line.startswith("document_masking="))
+    assert abs(masked - unmasked) > 1e-3  # attention across the boundary is what the flag turns off
+    worst = [floats(line)[-1] for line in out.splitlines() if "max relative difference" in line]
+    assert len(worst) == 2 and all(w <= 1e-4 for w in worst)
 
 
 def test_inspect_and_plan():

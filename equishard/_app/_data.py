@@ -37,6 +37,7 @@ import numpy as np
 from jaxtyping import Int, Int32, Int64, UInt8
 
 from .._errors import EquishardError
+from ..train import counter_bits
 
 VAL_EVERY = 20
 """One file in `VAL_EVERY` (sorted index `i % VAL_EVERY == VAL_EVERY - 1`) is validation."""
@@ -206,18 +207,6 @@ def _load_stdlib_corpus(val_every: int) -> ByteCorpus:
     return ByteCorpus.from_documents(_stdlib_documents(), val_every=val_every)
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijective mix of uint64 values (wrapping arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def sample_offsets(
     sample_indices: Int[np.ndarray, " n"], num_offsets: int, *, seed: int
 ) -> Int64[np.ndarray, " n"]:
@@ -239,13 +228,47 @@ def sample_offsets(
 
     An `int64` array of offsets, one per index.
     """
-    if not 0 <= seed < 2**64:
-        raise EquishardError(f"seed must be in [0, 2**64), got {seed}.")
-    with np.errstate(over="ignore"):
-        state = _splitmix64(np.array([seed], dtype=np.uint64))
-        counter = np.asarray(sample_indices, dtype=np.uint64) + np.uint64(1)
-        bits = _splitmix64(state + counter * _GOLDEN)
+    bits = counter_bits(seed, sample_indices)  # mix(mix(seed) + (g + 1) φ), uint64
     return (bits % np.uint64(num_offsets)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteWindows:
+    """A byte corpus as a data source (`equishard.train.DataSource`): example `g` is the
+    window of `seq_len + 1` bytes at `sample_offsets([g], len(data) - seq_len, seed=seed)`.
+
+    Its examples are random windows, not an epoch's permutation: read it with
+    `equishard.train.batch_at(..., shuffle=False)` (its length is unbounded in practice).
+
+    **Arguments:**
+
+    - `data`: the bytes (`ByteCorpus.train` or `.val`), more than `seq_len` of them.
+    - `seq_len`: tokens per input sequence.
+    - `seed`: the data seed.
+    """
+
+    data: UInt8[np.ndarray, " n"]
+    seq_len: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if len(self.data) - self.seq_len < 1:
+            raise EquishardError(
+                f"the data holds {len(self.data)} bytes, too few for one window of seq_len + 1 = "
+                f"{self.seq_len + 1} bytes."
+            )
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.read(np.array([index]))[0]
+
+    def read(self, indices: Int[np.ndarray, " b"]) -> Int32[np.ndarray, "b seq_len_plus_1"]:
+        """The windows of examples `indices`, `int32[b, seq_len + 1]`."""
+        starts = sample_offsets(indices, len(self.data) - self.seq_len, seed=self.seed)
+        windows = starts[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)[None, :]
+        return np.asarray(self.data)[windows].astype(np.int32)
 
 
 def get_batch(
@@ -271,9 +294,8 @@ def get_batch(
     - `seq_len`: tokens per input sequence; each row holds `seq_len + 1` bytes.
     - `seed`: the data seed.
 
-    Across processes, each process reads only the rows its devices hold by calling this
-    with `position + start` and `stop - start` rows (see
-    `equishard.distributed.global_array_from_rows`).
+    Across processes, each process reads only the rows its devices hold: see
+    `ByteWindows` and `equishard.train.batch_at`.
 
     **Returns:**
 
@@ -284,16 +306,8 @@ def get_batch(
             f"get_batch needs position >= 0, batch_size >= 1 and seq_len >= 1; got "
             f"position={position}, batch_size={batch_size}, seq_len={seq_len}."
         )
-    num_offsets = len(data) - seq_len
-    if num_offsets < 1:
-        raise EquishardError(
-            f"the data holds {len(data)} bytes, too few for one window of seq_len + 1 = "
-            f"{seq_len + 1} bytes."
-        )
     indices = np.arange(position, position + batch_size, dtype=np.int64)
-    starts = sample_offsets(indices, num_offsets, seed=seed)
-    windows = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
-    return np.asarray(data)[windows].astype(np.int32)
+    return ByteWindows(data, seq_len, seed).read(indices)
 
 
 def split_batch(

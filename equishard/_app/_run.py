@@ -10,6 +10,7 @@ model as a plain one-device Equinox file (`model.eqx`) and a text sample.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -31,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .._errors import CheckpointError, LayerConfigError, TrainingError
 from .._text import human_bytes
 from ..core import pipeline_layer_order
-from ..distributed import global_array_from_rows, is_coordinator
+from ..distributed import is_coordinator
 from ..models import (
     GPT,
     PRESETS,
@@ -48,9 +49,9 @@ from ..models._internal import canonical_path, to_single_device
 from ..nn import remat_policy
 from ..report import DeviceProfile, device_profile
 from ..sharding import ResolvedLayout, filter_shard_map, format_param_table, gather
-from ..train import TrainState, export_model
+from ..train import TrainState, batch_at, export_model
 from ._config import DTYPES, TrainConfig, layout_from_options
-from ._data import ByteCorpus, corpus_identity, get_batch, load_stdlib_corpus
+from ._data import ByteCorpus, ByteWindows, corpus_identity, load_stdlib_corpus
 from ._log import (
     Clock,
     Throughput,
@@ -301,31 +302,18 @@ class Run:
         """The global batch at a data position (a global sample count).
 
         In one process, the NumPy batch. Across processes, a global `jax.Array` of which
-        this process read only the rows its devices hold (`global_array_from_rows`):
+        this process read only the rows its devices hold (`equishard.train.batch_at`):
         row `j` is sample `position + j` whatever the number of processes. With a
         context axis, the `token_batch` dict (inputs, labels, positions `[B, S]` in
         zigzag order), read row by row the same way.
         """
         config = self.config
         cp = self.parallelism.size(self.parallelism.context)
-
-        def rows(start: int, stop: int) -> np.ndarray:
-            return get_batch(data, position + start, stop - start, config.seq_len, seed=config.seed)
-
-        if cp > 1:
-            if jax.process_count() == 1:
-                return token_batch(rows(0, config.batch_size), cp)
-            shape = (config.batch_size, config.seq_len)
-            return {
-                name: global_array_from_rows(
-                    self.batch_sharding, shape, lambda a, b, name=name: token_batch(rows(a, b), cp)[name]
-                )
-                for name in ("inputs", "labels", "positions")
-            }
-        if jax.process_count() == 1:
-            return rows(0, config.batch_size)
-        shape = (config.batch_size, config.seq_len + 1)
-        return global_array_from_rows(self.batch_sharding, shape, rows)
+        return batch_at(
+            ByteWindows(data, config.seq_len, config.seed), position, config.batch_size,
+            seed=config.seed, sharding=self.batch_sharding, shuffle=False,
+            transform=None if cp == 1 else functools.partial(token_batch, cp=cp),
+        )  # fmt: skip
 
     def validation_loss(self, state: TrainState, corpus: ByteCorpus) -> float:
         """Mean cross-entropy over `eval_batches` fixed validation batches."""

@@ -52,6 +52,7 @@ from ..sharding import (
     unbox as es_unbox,
 )
 from ..sharding._internal import spec_axes
+from ..train import IGNORE_LABEL
 
 TP = "tp"
 """The tensor axis's name where the layout has none (the layers then compute locally)."""
@@ -118,6 +119,13 @@ class GPTConfig:
     - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁷ logits
       per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 2048 tokens
       at a vocabulary of 50304).
+    - `document_masking`: for a packed batch (one with `segment_ids`, see
+      `equishard.train.pack_windows`), attention stays inside each document and the
+      rotary positions restart at each document (`document_positions`); `False`: the
+      packed sequence is attended to as one text with its global `positions`. Either way
+      the labels the packer masked (`IGNORE_LABEL`: each document's last token, which
+      would predict the next document's first) count for nothing, and the loss is the
+      mean over the labelled tokens of the global batch. Ignored for unpacked batches.
     """
 
     vocab_size: int = 256
@@ -145,6 +153,7 @@ class GPTConfig:
     qkv_bias: bool = False
     rotary_scaling: tuple[float, float, float, float] | None = None
     real_vocab_size: int | None = None
+    document_masking: bool = True
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -227,10 +236,12 @@ class Unit(eqx.Module):
             for i in range(k)
         ]
 
-    def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, MoEAuxSum]:
+    def __call__(
+        self, x: Array, positions: Array | None = None, segment_ids: Array | None = None
+    ) -> tuple[Array, MoEAuxSum]:
         total = MoEAuxSum.zeros()
         for block in self.blocks:
-            x, aux = block.call_with_aux(x, positions=positions)
+            x, aux = block.call_with_aux(x, positions=positions, segment_ids=segment_ids)
             if aux is not None:
                 total = total + MoEAuxSum(aux.load_balancing_loss, aux.z_loss, aux.dropped)
         return x, total
@@ -240,12 +251,49 @@ class _OutputOnly(eqx.Module):
     """A unit as a pipeline stage: activations in, activations out.
 
     `positions` (`[T]`, the same for every example) reaches every stage's call unchanged.
+    A packed batch's per-example positions and segment ids travel with the activations
+    instead (`_attach_tokens`: features past `d_model`), so each micro-batch has its own.
     """
 
     unit: Any
+    d_model: int = eqx.field(static=True, default=0)
 
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
-        return self.unit(x, positions)[0]
+        if not self.d_model or x.shape[-1] == self.d_model:
+            return self.unit(x, positions)[0]
+        h, carried = x[..., : self.d_model], x[..., self.d_model :]
+        doc_positions, segments = _detach_tokens(carried)
+        return jnp.concatenate([self.unit(h, doc_positions, segments)[0], carried], axis=-1)
+
+
+_DIGITS = 3  # base-256 digits per carried int: ids below 2**24, exact in bf16 and float16
+
+
+def _attach_tokens(x: Array, positions: Array, segments: Array) -> Array:
+    """`x` `[b, t, D]` with the tokens' int positions and segment ids `[b, T]` appended as
+    features `[b, t, D + 6 T / t]`: base-256 digits (exact in any float dtype, no
+    arithmetic the pipeline does changes them), never differentiated."""
+    b, t = x.shape[:2]
+    if positions.shape[-1] >= 2 ** (8 * _DIGITS):  # positions and segment ids are below T
+        raise LayerConfigError(
+            f"GPT: a pipeline carries a packed batch's positions in {_DIGITS} base-256 digits; "
+            f"sequences of {positions.shape[-1]} tokens need more."
+        )
+    ints = jnp.stack([positions, segments], axis=-1).astype(jnp.int32)  # i32[b, T, 2]
+    digits = jnp.stack([(ints >> (8 * i)) & 255 for i in range(_DIGITS)], axis=-1)  # [b, T, 2, 3]
+    carried = jax.lax.stop_gradient(digits.reshape(b, t, -1).astype(x.dtype))  # [b, t, 6 T / t]
+    return jnp.concatenate([x, cast_varying(carried, varying_axes(x))], axis=-1)
+
+
+def _detach_tokens(carried: Array) -> tuple[Array, Array]:
+    """`_attach_tokens`' appended features back to int32 positions and segment ids `[b, T]`."""
+    b = carried.shape[0]
+    digits = jnp.round(jax.lax.stop_gradient(carried).astype(jnp.float32)).astype(jnp.int32)
+    digits = digits.reshape(b, -1, 2, _DIGITS)
+    ints = digits[..., 0]
+    for i in range(1, _DIGITS):
+        ints = ints | (digits[..., i] << (8 * i))  # i32[b, T, 2]
+    return ints[..., 0], ints[..., 1]
 
 
 def _remat(fn: Any, config: GPTConfig) -> Any:
@@ -405,7 +453,7 @@ class GPT(eqx.Module, GathersFSDP):
 
         if par.pipeline:
             units: Any = PipelineModule(
-                lambda k: _OutputOnly(make_unit(k)), par.pipeline, par.num_microbatches,
+                lambda k: _OutputOnly(make_unit(k), config.d_model), par.pipeline, par.num_microbatches,
                 num_layers=num_units, num_stages=par.num_stages, repeats=par.pipeline_repeats,
                 schedule=par.pipeline_schedule, key=ukey,
             )  # fmt: skip
@@ -437,12 +485,17 @@ class GPT(eqx.Module, GathersFSDP):
         self.gather_dtype = self.grad_scatter_dtype = None
 
     def hidden(
-        self, ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"] | None = None
+        self,
+        ids: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Array, MoEAuxSum]:
         """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics.
 
         `positions`: the tokens' global positions (required with a context axis, where
-        `ids` is this device's part of the sequence); default `0, 1, ...`.
+        `ids` is this device's part of the sequence); default `0, 1, ...`. With
+        `segment_ids` (packed documents: attention stays inside each), each token's
+        position in its document.
         """
         if self.parallelism.context and positions is None:
             raise LayerConfigError(
@@ -453,11 +506,16 @@ class GPT(eqx.Module, GathersFSDP):
         # the lookup's backward is a scatter-add that needs no table.
         x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
+            if segment_ids is not None:
+                assert positions is not None
+                # Each micro-batch's positions and segment ids travel with its activations.
+                y = self.units(_attach_tokens(x, positions, segment_ids))
+                return y[..., : self.config.d_model], MoEAuxSum.zeros()
             # Every stage's layers get the positions row: int32[T/cp] (every example's is
             # the same, see `token_batch`), whatever micro-batch they run.
             return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
         params, static = eqx.partition(self.units, eqx.is_array)
-        call = _remat(lambda unit, x, positions: unit(x, positions), self.config)
+        call = _remat(lambda unit, x, positions, segments: unit(x, positions, segments), self.config)
         # Regathering FSDP units without a remat policy, dense and on one context shard,
         # keep only top-level tensor-parallel collectives: their scan is differentiated
         # as one (`scan_units`, the same values and gradients, traced in fewer passes).
@@ -468,20 +526,20 @@ class GPT(eqx.Module, GathersFSDP):
             and scannable(params, static, x)
         )
 
-        def blocks(x: Array, params: Any, positions: Array | None) -> tuple[Array, MoEAuxSum]:
+        def blocks(x: Array, params: Any, positions: Array | None, segments: Array | None) -> tuple[Array, MoEAuxSum]:
             def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
                 unit = drop_leading_axis(eqx.combine(layer, static))
-                return call(unit, x, positions)
+                return call(unit, x, positions, segments)
 
             if as_one:
-                x, aux = scan_units(params, static, x, positions)
+                x, aux = scan_units(params, static, x, positions, segments)
             else:
                 x, aux = jax.lax.scan(body, x, params, unroll=_unroll(self.config))
             return x, jax.tree.map(lambda a: a.sum(0), aux)
 
         chunks = self.config.batch_chunks
         if chunks == 1:
-            return blocks(x, params, positions)
+            return blocks(x, params, positions, segment_ids)
         batch = x.shape[0]
         if batch % chunks:
             raise LayerConfigError(
@@ -494,9 +552,8 @@ class GPT(eqx.Module, GathersFSDP):
         params = cast_varying(params, varying_axes(x))
         size = batch // chunks
         pieces = [slice(i * size, (i + 1) * size) for i in range(chunks)]
-        outs = [
-            blocks(x[p], params, None if positions is None else positions[p])[0] for p in pieces
-        ]
+        piece = lambda a, p: None if a is None else a[p]  # noqa: E731
+        outs = [blocks(x[p], params, piece(positions, p), piece(segment_ids, p))[0] for p in pieces]
         # No MoE layers here (`_check`): their statistics are zero.
         return jnp.concatenate(outs, axis=0), MoEAuxSum.zeros()
 
@@ -521,8 +578,9 @@ class GPT(eqx.Module, GathersFSDP):
             return logits
         local = logits.shape[-1]
         ids = jnp.arange(local)
-        if is_bound(TP):
-            ids = ids + jax.lax.axis_index(TP) * local
+        tp = tensor_axis(self.parallelism)
+        if is_bound(tp):
+            ids = ids + jax.lax.axis_index(tp) * local
         return jnp.where(ids < real, logits, jnp.finfo(logits.dtype).min)
 
     def _cross_entropy(self, h: Array, labels: Array) -> Float[Array, ""]:
@@ -532,6 +590,33 @@ class GPT(eqx.Module, GathersFSDP):
         head = self._gathered(self.head, h)
         table = None if head is not None else self._gathered(self.embed, h).weight
         return _mean_cross_entropy(self.config, self.parallelism, h, head, table, labels)
+
+    def _packed_loss(self, h: Array, labels: Array, aux: MoEAuxSum) -> tuple[Array, dict[str, Array]]:
+        """The loss of a packed batch: the cross-entropy summed over the labelled tokens of
+        the global batch over their count (devices hold different counts), plus the MoE
+        auxiliary losses as `loss` adds them."""
+        par = self.parallelism
+        h = self._gathered(self.norm, h)(h)
+        head = self._gathered(self.head, h)
+        table = None if head is not None else self._gathered(self.embed, h).weight
+        total, count = _cross_entropy_sums(self.config, par, h, head, table, labels, IGNORE_LABEL)
+        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
+        if mean_axes:
+            total, count = jax.lax.psum((total, count), mean_axes)
+        ce = total / jnp.maximum(count, 1).astype(total.dtype)
+        metrics = {"cross_entropy": ce}
+        loss = ce
+        moe_layers = self.config.n_layers // self.config.moe_every if self.config.moe_every else 0
+        if moe_layers:
+            lb, z = aux.load_balancing_loss / moe_layers, aux.z_loss / moe_layers
+            if mean_axes:
+                lb, z = jax.lax.pmean((lb, z), mean_axes)
+            loss = loss + self.config.aux_loss_weight * lb + self.config.z_loss_weight * z
+            metrics.update(load_balancing_loss=lb, z_loss=z, dropped=aux.dropped)
+        if par.pipeline:  # computed on every stage, from the last stage's outputs
+            loss, ce = from_last_stage(loss, par.pipeline), from_last_stage(ce, par.pipeline)
+            metrics["cross_entropy"] = ce
+        return loss, metrics
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab_local"]:
         """Logits for `ids` (local view)."""
@@ -568,15 +653,21 @@ class GPT(eqx.Module, GathersFSDP):
         return eqx.tree_at(lambda m: m.embed.weight.value, self, table)
 
     def _scheduled_loss(
-        self, ids: Array, labels: Array, positions: Array | None = None
-    ) -> tuple[Array, dict[str, Array]]:
+        self, ids: Array, labels: Array, positions: Array | None = None,
+        segments: Array | None = None, packed: bool = False,
+    ) -> tuple[Array, dict[str, Array]]:  # fmt: skip
         """The loss with an explicit pipeline schedule (1F1B, interleaved 1F1B, ZB-H1).
 
         The embedding runs on the first stage and the final norm, head and cross-entropy
         on the last, micro-batch by micro-batch inside the schedule
-        (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch.
+        (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch. A
+        packed batch's micro-batches carry their positions and segment ids with their
+        activations, and each one's loss is its labelled tokens' sum over the global
+        count (known before the schedule).
         """
         par = self.parallelism
+        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
+        d_model = self.config.d_model
         # Under fsdp the embedding, norm and head are gathered here, once per step (their
         # gradients summed over the micro-batches, then reduce-scattered once), as the
         # pipeline gathers its units.
@@ -592,20 +683,36 @@ class GPT(eqx.Module, GathersFSDP):
         tail = (norm, head, None if head is not None else embed.weight)
         tail_arrays, tail_static = eqx.partition(tail, eqx.is_array)
 
-        def first(arrays: Any, ids_m: Array) -> Array:
-            return eqx.combine(arrays, embed_static)(ids_m)  # f32[b, T(/tp), D]
+        def first(arrays: Any, inputs_m: Any) -> Array:
+            if segments is None:
+                return eqx.combine(arrays, embed_static)(inputs_m)  # f32[b, T(/tp), D]
+            ids_m, positions_m, segments_m = inputs_m
+            return _attach_tokens(eqx.combine(arrays, embed_static)(ids_m), positions_m, segments_m)
 
-        def last(arrays: Any, h: Array, labels_m: Array) -> Array:
+        def last(arrays: Any, h: Array, targets_m: Any) -> Array:
             norm, head, table = eqx.combine(arrays, tail_static)
-            return _mean_cross_entropy(self.config, par, norm(h), head, table, labels_m)
+            h = norm(h[..., :d_model])
+            if not packed:
+                return _mean_cross_entropy(self.config, par, h, head, table, targets_m)
+            labels_m, scale_m = targets_m
+            total = _cross_entropy_sums(self.config, par, h, head, table, labels_m, IGNORE_LABEL)[0]
+            return total * scale_m[0]
 
+        targets: Any = labels
+        if packed:
+            # The schedule averages its micro-batches: each one's sum is scaled by
+            # M / (the global batch's labelled tokens), one value per example. f32[B]
+            count = jnp.sum(labels != IGNORE_LABEL)
+            count = jax.lax.psum(count, mean_axes) if mean_axes else count
+            scale = self.units.num_microbatches / jnp.maximum(count, 1).astype(jnp.float32)
+            targets = (labels, jnp.broadcast_to(scale, labels.shape[:1]))
         ce = self.units.loss(
-            ids, labels, first=first, first_params=embed_arrays, last=last,
-            last_params=tail_arrays, layer_args=_position_row(positions),
+            ids if segments is None else (ids, positions, segments), targets, first=first,
+            first_params=embed_arrays, last=last, last_params=tail_arrays,
+            layer_args=_position_row(positions) if segments is None else (),
         )  # fmt: skip
-        mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
         if mean_axes:
-            ce = jax.lax.pmean(ce, mean_axes)
+            ce = jax.lax.psum(ce, mean_axes) if packed else jax.lax.pmean(ce, mean_axes)
         return ce, {"cross_entropy": ce}
 
     def loss(
@@ -617,26 +724,28 @@ class GPT(eqx.Module, GathersFSDP):
 
         - `batch`: this device's `int32[B/data, T + 1]` windows (inputs `[:, :-1]`,
           targets `[:, 1:]`), or the dict of `token_batch` (`inputs`, `labels`,
-          `positions`, each `int32[B/data, T/cp]`), which a context axis needs.
+          `positions`, each `int32[B/data, T/cp]`), which a context axis needs, or a
+          packed batch of documents (`equishard.train.pack_windows`: also
+          `segment_ids` and `document_positions`; see `GPTConfig.document_masking`).
         - `key`: unused (the model has no dropout); kept for `make_train_step`.
 
         **Returns:**
 
         `(loss, metrics)`: cross-entropy (nats per token) plus the weighted MoE
-        auxiliary losses, averaged over the global batch; metrics are global scalars.
+        auxiliary losses, averaged over the global batch (a packed batch: over its
+        labelled tokens); metrics are global scalars.
         """
         del key
         par = self.parallelism
-        if isinstance(batch, dict):
-            ids, labels, positions = batch["inputs"], batch["labels"], batch["positions"]
-        else:
-            ids, labels, positions = batch[:, :-1], batch[:, 1:], None
+        ids, labels, positions, segments, packed = _batch_fields(self.config, par, batch)
         if isinstance(self.units, PipelineModule) and self.units.explicit:
             if par.context and positions is None:
                 self.hidden(ids, positions)  # raises: the context axis needs positions
-            return self._scheduled_loss(ids, labels, positions)
+            return self._scheduled_loss(ids, labels, positions, segments, packed)
         model = self._tie_varying(ids) if self.config.tied else self
-        h, aux = model.hidden(ids, positions)
+        h, aux = model.hidden(ids, positions, segments)
+        if packed:
+            return model._packed_loss(h, labels, aux)
         ce = model._cross_entropy(h, labels)
         loss = ce
         moe_layers = self.config.n_layers // self.config.moe_every if self.config.moe_every else 0
@@ -671,13 +780,24 @@ def _mean_cross_entropy(
     `h`: `[B, T(/tp), D]` (split over the tokens with sequence parallelism); the output
     weight is the untied `head`'s or the tied embedding `table` (`f32[V/tp, D]`).
     """
+    return _cross_entropy_sums(config, par, h, head, table, labels, None)[0] / labels.size
+
+
+def _cross_entropy_sums(
+    config: GPTConfig, par: Parallelism, h: Array, head: ColumnParallelLinear | None,
+    table: Any, labels: Array, ignore_index: int | None,
+) -> tuple[Float[Array, ""], Int[Array, ""]]:  # fmt: skip
+    """The cross-entropy summed over the local tokens whose label is not `ignore_index`,
+    and their count, from the normed hidden states `h` (as `_mean_cross_entropy`)."""
     tp = tensor_axis(par)
     if config.fused_loss:
         if par.sequence_parallel and is_bound(tp):
             h = gather_tokens(h, tp)  # f32[B, T/tp, D] -> f32[B, T, D]
         weight = head.weight if head is not None else table
-        sums = fused_cross_entropy(h, weight, labels, tp, chunk_size=config.loss_chunk_size)
-        return sums.loss / labels.size
+        sums = fused_cross_entropy(
+            h, weight, labels, tp, chunk_size=config.loss_chunk_size, ignore_index=ignore_index
+        )
+        return sums.loss, sums.tokens
     if head is not None:
         logits = head(h)
     else:
@@ -685,7 +805,27 @@ def _mean_cross_entropy(
             h = gather_tokens(h, tp)
         # f32[B, T, D] @ f32[D, V/tp]
         logits = matmul_t(h, jnp.asarray(table.value))
-    return jnp.mean(vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, tp))
+    ce = vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, tp, ignore_index=ignore_index)
+    count = labels.size if ignore_index is None else jnp.sum(labels != ignore_index)
+    return jnp.sum(ce), jnp.asarray(count, jnp.int32)
+
+
+def _batch_fields(
+    config: GPTConfig, par: Parallelism, batch: Any
+) -> tuple[Array, Array, Array | None, Array | None, bool]:
+    """`(ids, labels, positions, segment_ids, packed)` of a batch given to `GPT.loss`.
+
+    A packed batch (with `segment_ids`) under `config.document_masking` gives its
+    documents' positions and segment ids; without, its global positions and no segments.
+    """
+    if not isinstance(batch, dict):
+        return batch[:, :-1], batch[:, 1:], None, None, False
+    ids, labels, positions = batch["inputs"], batch["labels"], batch["positions"]
+    if "segment_ids" not in batch:
+        return ids, labels, positions, None, False
+    if config.document_masking:
+        return ids, labels, batch["document_positions"], batch["segment_ids"], True
+    return ids, labels, positions, None, True
 
 
 def _position_row(positions: Array | None) -> tuple[Array, ...]:

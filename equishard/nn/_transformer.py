@@ -594,6 +594,7 @@ class ParallelAttention(eqx.Module):
         x: Float[Array, "... tokens d_model"],
         *,
         positions: Int[Array, "... seq"] | None = None,
+        segment_ids: Int[Array, "... seq"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
@@ -603,7 +604,11 @@ class ParallelAttention(eqx.Module):
         - `positions`: the integer positions of the `T` tokens, `[T]` or `[..., T]`
           (for rotary embeddings and the causal mask); default `0, ..., T - 1`. With a
           bound context axis, the global positions of this device's `T` tokens
-          (required).
+          (required). For packed documents, each token's position in its document.
+        - `segment_ids`: the document of each of the `T` tokens, `[T]` or `[..., T]`
+          (the same tokens as `positions`, all `T` even under sequence parallelism): a
+          query attends only to keys of its own document (document masking); default:
+          one document.
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
 
@@ -627,10 +632,16 @@ class ParallelAttention(eqx.Module):
                 )
             # f32[..., S/cp, H/n, hd] attends over all S tokens of the cp axis.
             split = ring_attention if self.context_impl == RING else alltoall_attention
-            out = split(q, k, v, cp, causal=True, layout=ZIGZAG, q_positions=positions, kv_positions=positions)
+            out = split(
+                q, k, v, cp, causal=True, layout=ZIGZAG, q_positions=positions, kv_positions=positions,
+                q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+            )  # fmt: skip
         else:
             # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
-            out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+            out = attention_kernel(
+                q, k, v, causal=True, q_positions=positions, kv_positions=positions,
+                q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+            )  # fmt: skip
         out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return checkpoint_name(self.proj(out), OUT_PROJ)
@@ -954,6 +965,7 @@ class TransformerBlock(eqx.Module):
         x: Float[Array, "... tokens d_model"],
         *,
         positions: Int[Array, "... seq"] | None = None,
+        segment_ids: Int[Array, "... seq"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
@@ -961,6 +973,7 @@ class TransformerBlock(eqx.Module):
         - `x`: `[..., T, d_model]` ("megatron", replicated over the axis) or this
           device's `[..., T/n, d_model]` ("sequence").
         - `positions`: the tokens' integer positions (see `ParallelAttention`).
+        - `segment_ids`: the tokens' documents (see `ParallelAttention`).
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
 
@@ -978,27 +991,28 @@ class TransformerBlock(eqx.Module):
                 "TransformerBlock: this block's feed-forward layer is an MoE, whose "
                 "auxiliary losses a plain call would drop; call block.call_with_aux(x)."
             )
-        return self.call_with_aux(x, positions=positions)[0]
+        return self.call_with_aux(x, positions=positions, segment_ids=segment_ids)[0]
 
     def call_with_aux(
         self,
         x: Float[Array, "... tokens d_model"],
         *,
         positions: Int[Array, "... seq"] | None = None,
+        segment_ids: Int[Array, "... seq"] | None = None,
     ) -> tuple[Float[Array, "... tokens d_model"], MoEAux | None]:
         """The block's output and, with an MoE layer, its `MoEAux` (else `None`).
 
         **Arguments:**
 
         - `x`: as for `__call__` (`[batch, seq/ep, d_model]` with an MoE layer).
-        - `positions`: as for `__call__`.
+        - `positions`, `segment_ids`: as for `__call__`.
 
         **Returns:**
 
         `(y, aux)`: the block's output laid out like `x`, and the MoE layer's
         auxiliary losses and statistics or `None`.
         """
-        x = x + self.attn(self.norm1(x), positions=positions)
+        x = x + self.attn(self.norm1(x), positions=positions, segment_ids=segment_ids)
         h = self.norm2(x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)

@@ -7,6 +7,17 @@ the train step and the plain-Equinox export need only the base install.
 import importlib
 import typing
 
+from ._data import (
+    IGNORE_LABEL as IGNORE_LABEL,
+    DataSource as DataSource,
+    batch_at as batch_at,
+    counter_bits as counter_bits,
+    epoch_permutation as epoch_permutation,
+    example_indices as example_indices,
+    mix64 as mix64,
+    pack_windows as pack_windows,
+    read_examples as read_examples,
+)
 from ._export import export_model as export_model, import_model as import_model
 from ._gradients import global_norm as global_norm
 from ._opt_sharding import (
@@ -40,6 +51,7 @@ from ._step import (
     TrainStep as TrainStep,
     make_train_step as make_train_step,
 )
+from ._token_files import TokenFiles as TokenFiles, read_manifest as read_manifest
 
 if typing.TYPE_CHECKING:
     from ._checkpoint import Checkpointer as Checkpointer
