@@ -4,6 +4,7 @@ against the logits, loss and greedy continuation `transformers` recorded
 
 import functools
 import json
+import os
 import pathlib
 import shutil
 
@@ -191,3 +192,62 @@ def test_live_against_transformers(tmp_path):
     with torch.no_grad():
         logits = hf_model(torch.tensor(expected["ids"], dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-5, rtol=0)
+
+
+CHILD = '''
+import json, sys
+from equishard.distributed import initialize
+initialize()  # join the other process, before any JAX computation
+import jax, numpy as np
+import equishard as es
+from equishard.train import _safetensors
+sys.path.insert(0, sys.argv[1])
+from tests.test_hf_llama import _forward, FIXTURES
+
+reads = []
+make_reader = _safetensors._reader
+def counting(infos):
+    read = make_reader(infos)
+    def wrapped(name, index):
+        out = read(name, index)
+        reads.append(out.nbytes)
+        return out
+    return wrapped
+_safetensors._reader = counting
+
+from equishard.models import load_hf
+folder = FIXTURES / "llama3"
+expected = np.load(folder / "expected.npz")
+mesh, par, _, fn = _forward("fsdp=4,tp=2")
+model = load_hf(str(folder), par, mesh)
+logits = fn(model, jax.numpy.asarray(expected["ids"]))
+error = max(float(np.abs(np.asarray(s.data) - expected["logits"][s.index]).max()) for s in logits.addressable_shards)
+held = 0
+for leaf in jax.tree.leaves(model):
+    seen = {}
+    for s in leaf.addressable_shards:
+        seen[tuple((i.start, i.stop) for i in s.index)] = s.data.nbytes
+    held += sum(seen.values())
+total = sum(i.shape and int(np.prod(i.shape)) * 4 or 4 for i in _safetensors.checkpoint_tensors(str(folder)).values())
+print("RESULT", json.dumps({"process": jax.process_index(), "error": error, "read": sum(reads), "held": held, "total": total}))
+'''
+
+
+def test_two_processes_each_read_only_their_blocks(tmp_path):
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EQUISHARD_")}
+    argv = [sys.executable, "-m", "equishard", "launch", "-n", "2", "--devices", "8", "--",
+            sys.executable, str(script), str(root)]  # fmt: skip
+    done = subprocess.run(argv, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["process"] for r in results) == [0, 1]
+    for r in results:
+        assert r["error"] <= 1e-5, r
+        # Each process reads exactly its devices' distinct blocks: less than the checkpoint.
+        assert r["read"] == r["held"] < r["total"], r
