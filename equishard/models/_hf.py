@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._errors import CheckpointError
+from ..core import pipeline_layer_order
 from ..sharding import Parallelism
 from ..train import (
     OutTensor,
@@ -210,11 +211,16 @@ def hf_mapping(model: Any, hf: Mapping[str, Any]) -> dict[str, Any]:
     def vocab_rows(name: str) -> Any:
         return Tensor(name) if real == vocab else Padded(Tensor(name), 0, vocab)
 
-    names = [_layer_tensors(i) for i in range(config.n_layers)]
+    par: Parallelism = model.parallelism
+    # The stored position of each layer: a circular pipeline deals them over its stages.
+    order = pipeline_layer_order(config.n_layers, par.num_stages, par.pipeline_repeats) if par.pipeline else range(config.n_layers)
+    names = [_layer_tensors(i) for i in order]
     roles = _per_layer()
     out: dict[str, Any] = {}
     for path in array_paths(model):
-        canon = canonical_path(path)
+        # Twice: a pipeline of FSDP units is `.units.layers.unit.module.` (one pass
+        # leaves `.units.module.`).
+        canon = canonical_path(canonical_path(path))
         if canon == ".embed.weight":
             out[path] = vocab_rows("model.embed_tokens.weight")
         elif canon == ".head.weight":
