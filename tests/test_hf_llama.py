@@ -7,6 +7,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -234,21 +236,40 @@ print("RESULT", json.dumps({"process": jax.process_index(), "error": error, "rea
 '''
 
 
-def test_two_processes_each_read_only_their_blocks(tmp_path):
-    import subprocess
-    import sys
-
+def _launch_two(tmp_path, code: str, *args: str) -> list[dict]:
+    """Run `code` as 2 processes x 4 devices (`equishard launch`); their RESULT lines."""
     root = pathlib.Path(__file__).resolve().parents[1]
     script = tmp_path / "child.py"
-    script.write_text(CHILD)
+    script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EQUISHARD_")}
     argv = [sys.executable, "-m", "equishard", "launch", "-n", "2", "--devices", "8", "--",
-            sys.executable, str(script), str(root)]  # fmt: skip
+            sys.executable, str(script), str(root), *args]  # fmt: skip
     done = subprocess.run(argv, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
     assert sorted(r["process"] for r in results) == [0, 1]
+    return results
+
+
+def test_two_processes_each_read_only_their_blocks(tmp_path):
+    results = _launch_two(tmp_path, CHILD)
     for r in results:
         assert r["error"] <= 1e-5, r
         # Each process reads exactly its devices' distinct blocks: less than the checkpoint.
         assert r["read"] == r["held"] < r["total"], r
+
+
+EXPORT_CHILD = CHILD.split("from equishard.models import load_hf")[0] + '''
+from equishard.models import export_hf, load_hf, read_hf_config
+folder = FIXTURES / "qwen2"
+mesh, par, _, fn = _forward("pp=2,dp=2,tp=2")
+model = load_hf(str(folder), par, mesh)
+export_hf(model, sys.argv[2], hf_config=read_hf_config(str(folder)), max_shard_bytes=60_000)
+print("RESULT", json.dumps({"process": jax.process_index()}))
+'''
+
+
+def test_two_processes_export_one_folder(tmp_path):
+    _launch_two(tmp_path, EXPORT_CHILD, str(tmp_path / "out"))
+    assert _tensor_bytes(tmp_path / "out") == _tensor_bytes(FIXTURES / "qwen2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.py", "out"]
