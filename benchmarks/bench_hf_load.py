@@ -103,12 +103,14 @@ def one(folder: str) -> None:
 
 
 def reads(folder: str) -> None:
+    from equishard.distributed import initialize
+
+    initialize()  # join the other process, before any JAX computation
     import jax
 
     import equishard as es
     from equishard.models import load_hf
 
-    es.distributed.initialize() if hasattr(es, "distributed") else None
     layout = es.Layout("fsdp=8")
     mesh, par = layout.mesh(), layout.parallelism()
     if jax.process_index() == 0:

@@ -126,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._cli_report import add_report_parsers
 
     add_report_parsers(sub)
+    from ._cli_text import add_text_parsers
+
+    add_text_parsers(sub)
     from ._launch import add_launch_parser
 
     add_launch_parser(sub)

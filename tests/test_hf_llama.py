@@ -4,8 +4,11 @@ against the logits, loss and greedy continuation `transformers` recorded
 
 import functools
 import json
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -29,16 +32,16 @@ from equishard.train import _safetensors, checkpoint_tensors
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["llama3", "llama32_bf16", "mistral", "qwen2"]
-# "+sp": Megatron sequence parallelism over tp.
-LAYOUTS = ["dp=8", "fsdp=8", "tp=2", "tp=4", "fsdp=4,tp=2", "pp=2,dp=2,tp=2", "dp=2,tp=4+sp"]
+# "+sp": Megatron sequence parallelism over tp; "+r2": a circular pipeline, 2 stages a device.
+LAYOUTS = ["dp=8", "fsdp=8", "tp=2", "tp=4", "fsdp=4,tp=2", "pp=2,dp=2,tp=2", "dp=2,tp=4+sp", "pp=2,fsdp=2,tp=2+r2"]
 
 
 @functools.cache
 def _forward(layout: str):
     """The jitted sharded forward pass of a GPT under `layout`: global `int32[8, 16]` ids
     in, global float32 logits `[8, 16, V]` out."""
-    spec, sp = layout.removesuffix("+sp"), layout.endswith("+sp")
-    resolved = es.Layout(spec, sequence_parallel=sp).resolve()
+    spec, sp, repeats = layout.split("+")[0], layout.endswith("+sp"), 2 if layout.endswith("+r2") else 1
+    resolved = es.Layout(spec, sequence_parallel=sp, pipeline_repeats=repeats).resolve()
     mesh, batch = resolved.mesh(), resolved.batch_spec
     par = resolved.parallelism
     vocab_axis = "tp" if "tp" in mesh.axis_names else None
@@ -100,7 +103,8 @@ def _tensor_bytes(folder):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_export_is_byte_identical(family, tmp_path):
     folder = FIXTURES / family
-    mesh, par, _, _ = _forward("fsdp=4,tp=2")
+    # One family from a circular pipeline of FSDP units (its layers stored dealt).
+    mesh, par, _, _ = _forward("pp=2,fsdp=2,tp=2+r2" if family == "llama3" else "fsdp=4,tp=2")
     model = load_hf(str(folder), par, mesh)
     to = tmp_path / "out"
     # Split at a small size: several files and their index.
@@ -191,3 +195,81 @@ def test_live_against_transformers(tmp_path):
     with torch.no_grad():
         logits = hf_model(torch.tensor(expected["ids"], dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-5, rtol=0)
+
+
+CHILD = '''
+import json, sys
+from equishard.distributed import initialize
+initialize()  # join the other process, before any JAX computation
+import jax, numpy as np
+import equishard as es
+from equishard.train import _safetensors
+sys.path.insert(0, sys.argv[1])
+from tests.test_hf_llama import _forward, FIXTURES
+
+reads = []
+make_reader = _safetensors._reader
+def counting(infos):
+    read = make_reader(infos)
+    def wrapped(name, index):
+        out = read(name, index)
+        reads.append(out.nbytes)
+        return out
+    return wrapped
+_safetensors._reader = counting
+
+from equishard.models import load_hf
+folder = FIXTURES / "llama3"
+expected = np.load(folder / "expected.npz")
+mesh, par, _, fn = _forward("fsdp=4,tp=2")
+model = load_hf(str(folder), par, mesh)
+logits = fn(model, jax.numpy.asarray(expected["ids"]))
+error = max(float(np.abs(np.asarray(s.data) - expected["logits"][s.index]).max()) for s in logits.addressable_shards)
+held = 0
+for leaf in jax.tree.leaves(model):
+    seen = {}
+    for s in leaf.addressable_shards:
+        seen[tuple((i.start, i.stop) for i in s.index)] = s.data.nbytes
+    held += sum(seen.values())
+total = sum(i.shape and int(np.prod(i.shape)) * 4 or 4 for i in _safetensors.checkpoint_tensors(str(folder)).values())
+print("RESULT", json.dumps({"process": jax.process_index(), "error": error, "read": sum(reads), "held": held, "total": total}))
+'''
+
+
+def _launch_two(tmp_path, code: str, *args: str) -> list[dict]:
+    """Run `code` as 2 processes x 4 devices (`equishard launch`); their RESULT lines."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EQUISHARD_")}
+    argv = [sys.executable, "-m", "equishard", "launch", "-n", "2", "--devices", "8", "--",
+            sys.executable, str(script), str(root), *args]  # fmt: skip
+    done = subprocess.run(argv, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["process"] for r in results) == [0, 1]
+    return results
+
+
+def test_two_processes_each_read_only_their_blocks(tmp_path):
+    results = _launch_two(tmp_path, CHILD)
+    for r in results:
+        assert r["error"] <= 1e-5, r
+        # Each process reads exactly its devices' distinct blocks: less than the checkpoint.
+        assert r["read"] == r["held"] < r["total"], r
+
+
+EXPORT_CHILD = CHILD.split("from equishard.models import load_hf")[0] + '''
+from equishard.models import export_hf, load_hf, read_hf_config
+folder = FIXTURES / "qwen2"
+mesh, par, _, fn = _forward("pp=2,dp=2,tp=2")
+model = load_hf(str(folder), par, mesh)
+export_hf(model, sys.argv[2], hf_config=read_hf_config(str(folder)), max_shard_bytes=60_000)
+print("RESULT", json.dumps({"process": jax.process_index()}))
+'''
+
+
+def test_two_processes_export_one_folder(tmp_path):
+    _launch_two(tmp_path, EXPORT_CHILD, str(tmp_path / "out"))
+    assert _tensor_bytes(tmp_path / "out") == _tensor_bytes(FIXTURES / "qwen2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.py", "out"]

@@ -18,9 +18,13 @@ from equishard import _app
 from equishard._app import TrainConfig
 from equishard._app._config import (
     DTYPES,
+    EvalConfig,
+    ExportConfig,
+    GenerateConfig,
     InspectConfig,
     LaunchConfig,
     PlanConfig,
+    TokenizeConfig,
     TrainCommand,
     changes_on_resume,
     config_toml,
@@ -36,6 +40,7 @@ from equishard._app._options import (
 )
 from equishard._cli import _add_train
 from equishard._cli_report import add_report_parsers
+from equishard._cli_text import add_text_parsers
 from equishard._errors import LayerConfigError
 from equishard._launch import add_launch_parser
 
@@ -45,7 +50,10 @@ OLD_VALUES: dict[str, Any] = dict(
     model="tiny", steps=4, batch_size=8, seq_len=32, clip_norm=None, run_dir="runs/old",
     profile="1:3", zero=True, remat="full", eval_batches=2,
 )  # fmt: skip
-COMMANDS = {"train": TrainCommand, "inspect": InspectConfig, "plan": PlanConfig, "launch": LaunchConfig}
+COMMANDS = {
+    "train": TrainCommand, "inspect": InspectConfig, "plan": PlanConfig, "launch": LaunchConfig,
+    "tokenize": TokenizeConfig, "generate": GenerateConfig, "eval": EvalConfig, "export": ExportConfig,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     _add_train(sub)
     add_report_parsers(sub)
     add_launch_parser(sub)
+    add_text_parsers(sub)
     return dict(sub.choices)
 
 
@@ -113,11 +122,17 @@ def test_the_toml_file_round_trips_in_sections():
 
 
 def test_every_command_parses_to_its_dataclass_defaults_and_lists_every_field_in_help(parsers):
-    required = {"plan": ["--model", "tiny", "--layout", "dp=2", "--devices", "2"]}
+    required = {
+        "plan": ["--model", "tiny", "--layout", "dp=2", "--devices", "2"],
+        "tokenize": ["in.txt", "--out", "o"], "generate": ["--run-dir", "r"], "eval": ["--run-dir", "r"],
+        "export": ["--run-dir", "r", "--to", "t"],
+    }  # fmt: skip
     for name, cls in COMMANDS.items():
         parser = parsers[name]
         args = parser.parse_args(required.get(name, []))
-        given = {k: getattr(args, k) for k in ("model", "layout", "devices")} if name == "plan" else {}
+        names = {"plan": ("model", "layout", "devices"), "tokenize": ("inputs", "out"), "generate": ("run_dir",),
+                 "eval": ("run_dir",), "export": ("run_dir", "to")}.get(name, ())  # fmt: skip
+        given = {k: from_args(cls, args).__getattribute__(k) for k in names}
         got = from_args(cls, args)
         assert got == dataclasses.replace(cls(), **given), name
         text = parser.format_help()

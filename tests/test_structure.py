@@ -31,7 +31,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("train",),
     ("models", ""),  # "" is the package root, `equishard/__init__.py`
     ("_app", "_cli_base"),
-    ("_cli_report", "_launch"),
+    ("_cli_report", "_cli_text", "_launch"),
     ("_cli",),
     ("__main__",),
 )

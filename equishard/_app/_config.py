@@ -235,6 +235,69 @@ class LaunchConfig:
     child: tuple[str, ...] = option((), "the command each process runs, after `--`", flag="child", nargs=argparse.REMAINDER, metavar="COMMAND")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizeConfig:
+    """`equishard tokenize`: text files into token files (see `_tokenize.tokenize`)."""
+
+    inputs: tuple[str, ...] = option((), ".txt / .jsonl files (optionally .gz), or directories of them", flag="inputs", nargs="+", metavar="INPUT")
+    out: str = option("", "the token-file folder to write (must not exist, or be empty)", required=True, metavar="DIR")
+    tokenizer: str | None = option(None, "a tokenizer.json (or a Hugging Face folder holding one)", metavar="FILE")
+    train_bpe: int | None = option(None, "instead of --tokenizer: train a byte-level BPE of this vocabulary on the inputs", metavar="VOCAB")
+    text_field: str = option("text", "the .jsonl records' text field (records with prompt/completion fields are read as instruction pairs)")
+    val_every: int = option(20, "one document in this many goes to the validation split")
+    workers: int = option(1, "threads encoding batches of documents")
+    progress: bool = option(True, "a progress bar on a terminal")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSource:
+    """A finished or stopped run to read: its directory, the layout and devices to use."""
+
+    run_dir: str = option("", "the run directory (its config.toml and verified checkpoints)", required=True)
+    layout: str | None = option(None, "the layout to run under (default: the run's own)")
+    devices: int = option(8, "CPU devices to simulate (ignored on accelerators)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig(RunSource):
+    """`equishard generate`: continue prompts with a run's latest verified checkpoint."""
+
+    prompt: tuple[str, ...] = option((), "a prompt (repeat for a batch of prompts)", metavar="TEXT")
+    prompt_file: str | None = option(None, "a file of prompts, one a line", metavar="FILE")
+    max_new_tokens: int = option(200, "the most new tokens each prompt gets")
+    max_len: int | None = option(None, "the key/value cache's length (default: the run's --seq-len, or what the prompts need)")
+    temperature: float = option(0.0, "0: greedy; otherwise sample from the logits divided by it")
+    top_k: int = option(0, "sample from the K most likely tokens (0: all)", metavar="K")
+    top_p: float = option(1.0, "sample from the smallest set of tokens whose probability reaches P (nucleus; 1: all)", metavar="P")
+    seed: int = option(0, "the sampling key's seed (each row's key comes from it and the row)")
+    stop: tuple[str, ...] = option((), "a stop string (one byte for the byte model, one token for a tokenizer's); repeat for several", metavar="TEXT")
+    gather: str = option("once", "under fsdp: gather the parameters once before decoding (once) or per layer in every step, as training does (per_layer)", choices=("once", "per_layer"))
+    hf: str | None = option(None, "generate from a Hugging Face folder instead of a run (not yet: refused by name)", metavar="DIR")
+    json: bool = option(False, "print one JSON object (tokens, texts, timings) instead of streaming the text")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(RunSource):
+    """`equishard eval`: loss and perplexity of a run's latest verified checkpoint."""
+
+    batches: int | None = option(None, "evaluate this many batches of validation windows (default: the run's --eval-batches)", metavar="N")
+    seed: int | None = option(None, "the windows' seed (default: the run's; with --batches, a validation row's very windows)", metavar="S")
+    whole_split: bool = option(False, "every window of the validation split instead of the sampled batches")
+    json: bool = option(False, "print one JSON object")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """`equishard export`: a run's checkpoint as a Hugging Face folder."""
+
+    run_dir: str = option("", "the run directory (its config.toml and verified checkpoints)", required=True)
+    to: str = option("", "the folder to write (must not exist, or be empty)", required=True, metavar="DIR")
+    step: int | None = option(None, "the checkpoint step (default: the latest; every array verified against its checksum)")
+    dtype: str | None = option(None, "the tensors' dtype (default: the source checkpoint's, else float32)", choices=tuple(DTYPES))
+    max_shard_gib: float = option(5.0, "the size limit of one safetensors file, in GiB", metavar="GIB")
+    devices: int = option(8, "CPU devices to simulate (ignored on accelerators)")
+
+
 CONFIG_FILE = "config.toml"
 """The resolved configuration's name in the run directory."""
 

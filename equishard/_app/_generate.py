@@ -205,3 +205,70 @@ def generate_from_run(
         "decode_seconds": out.decode_seconds,
         "decode_steps": out.decode_steps,
     }
+
+
+def _hf_stop_ids(folder: pathlib.Path, tokenizer: Any, stop: Sequence[str]) -> list[int]:
+    """The end-of-text ids `config.json` names and each stop string's one token."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    eos = config.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    for text in stop:
+        encoded = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(encoded) != 1:
+            raise GenerationError(
+                f"generate: the stop string {text!r} is {len(encoded)} tokens of this tokenizer; "
+                f"a stop string must be one token."
+            )
+        ids.append(encoded[0])
+    return ids
+
+
+def generate_from_hf(
+    folder: str | pathlib.Path, prompts: Sequence[str], *, layout: str = "dp=1", max_new_tokens: int = 200,
+    max_len: int | None = None, sampling: Sampling = Sampling(), seed: int = 0, stop: Sequence[str] = (),
+    gather: str = "once", devices: list | None = None, on_token: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Continue `prompts` with the model of a Hugging Face folder (its `tokenizer.json`),
+    under `layout`, each device reading its own blocks of the weights.
+
+    **Arguments:** as `generate_from_run`, with `folder` (see `equishard.models.load_hf`)
+    for the run; the stop strings must be one token each, and the `eos_token_id` of the
+    folder's `config.json` stops a row too.
+
+    **Returns:** as `generate_from_run` (`step` is `None`).
+
+    **Raises:** `GenerationError` for a folder without `tokenizer.json`, a stop string of
+    several tokens, and as `equishard.models.Generator` does; `CheckpointError` as
+    `equishard.models.load_hf` does.
+    """
+    from ..models import load_hf
+    from ..sharding import Layout
+
+    folder = pathlib.Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise GenerationError(f"generate --hf {folder}: no tokenizer.json there to encode the prompts with.")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    resolved = Layout(layout).resolve(len(devices) if devices is not None else None)
+    mesh = resolved.mesh(devices)
+    model = load_hf(str(folder), resolved.parallelism, mesh)
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    longest = max((len(p) for p in ids), default=1)
+    length = max_len or -(-longest // 16) * 16 + max_new_tokens
+    generator = Generator(model, mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=tokenizer.get_vocab_size())
+    out = generator.generate(
+        ids, max_new_tokens=max_new_tokens, key=jax.random.key(seed),
+        stop_tokens=_hf_stop_ids(folder, tokenizer, stop), on_token=on_token,
+    )  # fmt: skip
+    return {
+        "step": None,
+        "texts": [tokenizer.decode(list(t)) for t in out.tokens],
+        "tokens": out.tokens,
+        "stopped": out.stopped,
+        "prefill_seconds": out.prefill_seconds,
+        "decode_seconds": out.decode_seconds,
+        "decode_steps": out.decode_steps,
+    }

@@ -64,10 +64,22 @@ def init_from_hf(
     **Raises:**
 
     `CheckpointError` naming the architecture, option, file or tensor at fault, before any
-    tensor is read; or for a `<run_dir>/hf-source/` that exists already.
+    tensor is read; for a vocabulary the tensor axis does not divide (its padding would
+    count in the training loss); or for a `<run_dir>/hf-source/` that exists already.
     """
     folder = os.fspath(folder)
-    model = load_hf(folder, layout.parallelism, mesh, dtype=dtype, seq_len=seq_len)
+    par = layout.parallelism
+    config = gpt_config_from_hf(read_hf_config(folder), vocab_multiple=par.size(par.tensor), seq_len=seq_len)
+    if config.real_vocab_size is not None:
+        # The fused loss sums over every id: the padding rows would count in its
+        # partition function (and be trained). Refused rather than silently off.
+        raise CheckpointError(
+            f"--init-from {folder}: the vocabulary of {config.real_vocab_size} ids does not "
+            f"divide the tensor-parallel axis {par.tensor!r} of size {par.size(par.tensor)}; "
+            f"padding it would add the padding ids to the training loss. Choose a layout "
+            f"whose tp divides {config.real_vocab_size}."
+        )
+    model = load_hf(folder, par, mesh, dtype=dtype, seq_len=seq_len)
     if run_dir is not None:
         record_hf_source(folder, run_dir)
     return model.config, model

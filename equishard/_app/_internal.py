@@ -5,12 +5,23 @@ the one way into its private modules from outside it (see `tests/test_structure.
 from ._config import (
     DTYPES as DTYPES,
     WIDTH as WIDTH,
+    EvalConfig as EvalConfig,
+    ExportConfig as ExportConfig,
+    GenerateConfig as GenerateConfig,
     InspectConfig as InspectConfig,
     LaunchConfig as LaunchConfig,
     LayoutOptions as LayoutOptions,
     PlanConfig as PlanConfig,
+    TokenizeConfig as TokenizeConfig,
     TrainCommand as TrainCommand,
     layout_from_options as layout_from_options,
     load_config as load_config,
 )
+from ._generate import (
+    evaluate_run as evaluate_run,
+    generate_from_hf as generate_from_hf,
+    generate_from_run as generate_from_run,
+)
+from ._hf import export_run as export_run
 from ._options import add_options as add_options, from_args as from_args
+from ._tokenize import tokenize as tokenize

@@ -149,7 +149,7 @@ def section_of(cls: type, name: str) -> str:
     return ""
 
 
-def value_types(cls: type) -> dict[str, tuple[type, ...]]:
+def value_types(cls: type) -> dict[str, tuple[Any, ...]]:
     """Each field's allowed value types (its annotation without `None`)."""
     hints = typing.get_type_hints(cls)
     out = {}
@@ -177,6 +177,10 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         if kinds[field.name] == (bool,):
             kwargs["action"] = "store_false" if field.default is True else "store_true"
+        elif typing.get_origin(kinds[field.name][0]) is tuple:
+            # A repeatable flag (`--prompt A --prompt B`): its values as a tuple.
+            element = typing.get_args(kinds[field.name][0])[0]
+            kwargs.update(action="append", type=meta.parse or element, metavar=meta.metavar, default=None)
         else:
             kwargs.update(type=meta.parse or kinds[field.name][0], choices=meta.choices, metavar=meta.metavar)
             if meta.required:
@@ -191,6 +195,8 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
     """The dataclass `cls` from parsed arguments (its fields read by name; a list, as
     argparse gives a positional's values, as a tuple)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    # A repeatable flag never given is `None` (argparse appends to its default otherwise).
+    values = {k: (f.default if v is None and isinstance(f.default, tuple) else v) for f in dataclasses.fields(cls) for k, v in values.items() if k == f.name}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._errors import CheckpointError
+from ..core import pipeline_layer_order
 from ..sharding import Parallelism
 from ..train import (
     OutTensor,
@@ -210,11 +211,16 @@ def hf_mapping(model: Any, hf: Mapping[str, Any]) -> dict[str, Any]:
     def vocab_rows(name: str) -> Any:
         return Tensor(name) if real == vocab else Padded(Tensor(name), 0, vocab)
 
-    names = [_layer_tensors(i) for i in range(config.n_layers)]
+    par: Parallelism = model.parallelism
+    # The stored position of each layer: a circular pipeline deals them over its stages.
+    order = pipeline_layer_order(config.n_layers, par.num_stages, par.pipeline_repeats) if par.pipeline else range(config.n_layers)
+    names = [_layer_tensors(i) for i in order]
     roles = _per_layer()
     out: dict[str, Any] = {}
     for path in array_paths(model):
-        canon = canonical_path(path)
+        # Twice: a pipeline of FSDP units is `.units.layers.unit.module.` (one pass
+        # leaves `.units.module.`).
+        canon = canonical_path(canonical_path(path))
         if canon == ".embed.weight":
             out[path] = vocab_rows("model.embed_tokens.weight")
         elif canon == ".head.weight":
@@ -312,7 +318,9 @@ def export_hf(
 
     The tensors are cut from the model one at a time and written into a temporary
     folder beside `to`, renamed to `to` once complete: the host holds one tensor (plus
-    the write buffer), and an interrupted export leaves no folder at `to`.
+    the write buffer), and an interrupted export leaves no folder at `to`. In a
+    multi-process run every process calls it (each tensor is gathered from all of them)
+    and process 0 writes.
 
     **Arguments:**
 
@@ -344,9 +352,14 @@ def export_hf(
     tensors = []
     for path, source in mapping.items():
         for tensor in _names_in(source):
-            make = lambda s=source, t=tensor, p=path: np.asarray(jax.device_get(tensor_of(s, t, arrays[p], shapes)))  # noqa: E731
+            make = lambda s=source, t=tensor, p=path: _to_host(tensor_of(s, t, arrays[p], shapes))  # noqa: E731
             tensors.append(OutTensor(tensor, shapes[tensor], np_dtype, make))
     tensors.sort(key=lambda t: t.name)
+    if jax.process_index() != 0:
+        for t in tensors:
+            t.make()  # every process takes part in each tensor's gather; process 0 writes
+        _sync("equishard-export-written")
+        return to
     parent = os.path.dirname(os.path.abspath(to))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
@@ -364,7 +377,26 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _sync("equishard-export-written")
     return to
+
+
+def _to_host(x: Any) -> np.ndarray:
+    """`x` whole on this host: gathered from the other processes where some of its blocks
+    are only theirs (a collective: every process calls it for the same arrays)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _sync(name: str) -> None:
+    """Wait for every process (nothing with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _names_in(source: Any) -> list[str]:

@@ -1,0 +1,88 @@
+"""The commands around a run, from the command line: `tokenize`, `generate`, `eval` and
+`export`, on one small run shared by the tests (in-process: the tests' 8 devices)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from equishard._cli import main
+
+TRAIN = ["train", "--model", "tiny", "--steps", "4", "--batch-size", "8", "--seq-len", "32",
+         "--layout", "dp=2,tp=4", "--checkpoint-every", "2", "--eval-every", "2", "--eval-batches", "2",
+         "--sample-bytes", "0", "--no-progress", "--no-plot", "--no-tensorboard"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> pathlib.Path:
+    run = tmp_path_factory.mktemp("run")
+    assert main([*TRAIN, "--run-dir", str(run)]) == 0
+    return run
+
+
+def _out(argv: list[str], capsys) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_eval_reports_the_runs_last_validation_row(run_dir, capsys):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "val_loss" in r][-1]
+    out = json.loads(_out(["eval", "--run-dir", str(run_dir), "--json"], capsys))
+    assert out["step"] == last["step"] == 4
+    assert abs(out["loss"] - last["val_loss"]) <= 1e-6 * abs(last["val_loss"])
+    other = json.loads(_out(["eval", "--run-dir", str(run_dir), "--layout", "fsdp=4,tp=2", "--json"], capsys))
+    assert abs(other["loss"] - out["loss"]) <= 1e-5 * abs(out["loss"])
+
+
+def test_generate_streams_a_prompt_and_prints_a_batch_as_json(run_dir, capsys):
+    streamed = _out(["generate", "--run-dir", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8"], capsys)
+    assert streamed.startswith("def ")
+    argv = ["generate", "--run-dir", str(run_dir), "--prompt", "def ", "--prompt", "import",
+            "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--json"]  # fmt: skip
+    batch = json.loads(_out(argv, capsys))
+    assert batch["prompts"] == ["def ", "import"] and len(batch["tokens"]) == 2
+    alone = json.loads(_out([*argv[:4], *argv[6:], "--layout", "fsdp=4,tp=2"], capsys))
+    assert alone["tokens"][0] == batch["tokens"][0]  # the same row alone, on another layout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--temperature", "-1"], "temperature=-1.0 must be at least 0"),
+        (["--max-len", "8", "--prompt", "x" * 20], "longer"),
+    ],
+)
+def test_generate_names_a_bad_option(run_dir, capsys, argv, message):
+    full = ["generate", "--run-dir", str(run_dir), "--max-new-tokens", "4", *argv]
+    if "--prompt" not in argv:
+        full += ["--prompt", "a"]
+    assert main(full) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_and_eval_refuse_a_directory_without_a_verified_checkpoint(tmp_path, capsys):
+    assert main(["eval", "--run-dir", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_export_writes_a_hugging_face_folder_and_refuses_a_full_target(run_dir, tmp_path, capsys):
+    to = tmp_path / "hf"
+    _out(["export", "--run-dir", str(run_dir), "--to", str(to)], capsys)
+    config = json.loads((to / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and (to / "model.safetensors").is_file()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "thesis.tex").write_text("mine")
+    assert main(["export", "--run-dir", str(run_dir), "--to", str(tmp_path / "full")]) == 2
+    assert (tmp_path / "full" / "thesis.tex").read_text() == "mine"
+
+
+def test_tokenize_writes_token_files_with_a_manifest(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"document {i}: the quick brown fox jumps over the lazy dog." for i in range(40)))
+    out = _out(["tokenize", str(text), "--out", str(tmp_path / "tokens"), "--train-bpe", "300", "--val-every", "10"], capsys)
+    assert "wrote" in out and (tmp_path / "tokens" / "manifest.json").is_file()
+    assert main(["tokenize", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t2"), "--train-bpe", "300"]) == 2
