@@ -3,11 +3,13 @@ order, per-process reading and named errors."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -177,6 +179,7 @@ def _empty_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     return d
 
 
+@functools.cache
 def _train_on_token_files(corpus: pathlib.Path, spec: str, steps: int = 3, **layout_kw):
     """Per step: the loss and a hash of the step's token ids (in sequence order)."""
     layout = es.Layout(spec, **layout_kw)
@@ -242,6 +245,22 @@ for step in range(3):
     whole = multihost_utils.process_allgather(batch["inputs"], tiled=True)
     np.testing.assert_array_equal(whole, files.read(every)["inputs"])
 print("token rows ok")
+
+# Three steps of the tiny GPT on the 2 x 4 devices: the same tokens and losses as one process.
+import hashlib, optax
+from equishard.models import GPT, GPTConfig
+from equishard.train import init_train_state, make_train_step
+config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+mesh, par = layout.mesh(), layout.parallelism()
+optimizer = optax.adamw(3e-3)
+state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
+step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+files = TokenFiles(sys.argv[1], 16)
+for s in range(3):
+    batch = batch_at(files, 8 * s, 8, seed=0, sharding=sharding)
+    ids = np.asarray(multihost_utils.process_allgather(batch["inputs"], tiled=True))
+    state, metrics = step(state, batch)
+    print(f"step {s} loss {float(metrics['loss']):.9f} tokens {hashlib.sha256(ids.tobytes()).hexdigest()}")
 """
 
 
@@ -253,3 +272,8 @@ def test_two_processes_read_only_their_rows_of_the_token_files(corpus, tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "[0] token rows ok" in out and "[1] token rows ok" in out
+    one = _train_on_token_files(corpus, "dp=2")
+    for process in (0, 1):
+        steps = re.findall(rf"^\[{process}\] step \d+ loss (\S+) tokens (\w+)$", out, re.M)
+        assert [d for _, d in steps] == [d for _, d in one]
+        assert all(abs(float(loss) - ref) <= 1e-4 * abs(ref) for (loss, _), (ref, _) in zip(steps, one))
