@@ -92,6 +92,10 @@ def test_packed_loss_is_the_per_document_loss_on_one_device():
     packed = pack_windows(_windows(), eot=EOT)
     loss = float(eqx.filter_jit(lambda m, b: m.loss(b)[0])(model, packed))
     assert abs(loss - per_doc) <= 1e-5 * abs(per_doc)
+    # The blocks run on the batch in two pieces: each piece's segment ids go with it.
+    chunked = GPT(dataclasses.replace(CONFIG, batch_chunks=2), key=jax.random.key(0))
+    loss = float(eqx.filter_jit(lambda m, b: m.loss(b)[0])(chunked, packed))
+    assert abs(loss - per_doc) <= 1e-5 * abs(per_doc)
 
 
 def test_document_masking_flag_turns_off_attention_across_boundaries():

@@ -3,11 +3,13 @@ order, per-process reading and named errors."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -177,26 +179,10 @@ def _empty_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     return d
 
 
+@functools.cache
 def _train_on_token_files(corpus: pathlib.Path, spec: str, steps: int = 3, **layout_kw):
     """Per step: the loss and a hash of the step's token ids (in sequence order)."""
-    layout = es.Layout(spec, **layout_kw)
-    mesh, par = layout.mesh(), layout.parallelism()
-    cp = par.size(par.context)
-    config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
-    check_token_files(corpus, SEQ, config.vocab_size)
-    files = TokenFiles(corpus, SEQ, cp=cp)
-    optimizer = optax.adamw(3e-3)
-    state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
-    sharding = jax.sharding.NamedSharding(mesh, layout.batch_spec())
-    out = []
-    for i in range(steps):
-        batch = batch_at(files, 8 * i, 8, seed=0, sharding=sharding)
-        order = np.argsort(np.asarray(batch["positions"])[0])  # back to sequence order
-        digest = hashlib.sha256(np.asarray(batch["inputs"])[:, order].tobytes()).hexdigest()
-        state, metrics = step(state, batch)
-        out.append((float(metrics["loss"]), digest))
-    return out
+    return _token_steps(corpus, spec, steps=steps, **layout_kw)[1]
 
 
 def test_training_on_token_files_is_the_same_on_two_layouts(corpus):
@@ -242,6 +228,22 @@ for step in range(3):
     whole = multihost_utils.process_allgather(batch["inputs"], tiled=True)
     np.testing.assert_array_equal(whole, files.read(every)["inputs"])
 print("token rows ok")
+
+# Three steps of the tiny GPT on the 2 x 4 devices: the same tokens and losses as one process.
+import hashlib, optax
+from equishard.models import GPT, GPTConfig
+from equishard.train import init_train_state, make_train_step
+config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+mesh, par = layout.mesh(), layout.parallelism()
+optimizer = optax.adamw(3e-3)
+state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
+step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+files = TokenFiles(sys.argv[1], 16)
+for s in range(3):
+    batch = batch_at(files, 8 * s, 8, seed=0, sharding=sharding)
+    ids = np.asarray(multihost_utils.process_allgather(batch["inputs"], tiled=True))
+    state, metrics = step(state, batch)
+    print(f"step {s} loss {float(metrics['loss']):.9f} tokens {hashlib.sha256(ids.tobytes()).hexdigest()}")
 """
 
 
@@ -253,3 +255,47 @@ def test_two_processes_read_only_their_rows_of_the_token_files(corpus, tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "[0] token rows ok" in out and "[1] token rows ok" in out
+    one = _train_on_token_files(corpus, "dp=2")
+    for process in (0, 1):
+        steps = re.findall(rf"^\[{process}\] step \d+ loss (\S+) tokens (\w+)$", out, re.M)
+        assert [d for _, d in steps] == [d for _, d in one]
+        assert all(abs(float(loss) - ref) <= 1e-4 * abs(ref) for (loss, _), (ref, _) in zip(steps, one))
+
+
+def _token_steps(corpus: pathlib.Path, spec: str, state=None, steps: int = 2, **layout_kw):
+    """`steps` steps from `state` (or a new one) on token files, each batch read at the
+    state's data position: the final state and per step the loss and the tokens' hash."""
+    layout = es.Layout(spec, **layout_kw)
+    mesh, par = layout.mesh(), layout.parallelism()
+    config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    files = TokenFiles(corpus, SEQ, cp=par.size(par.context))
+    optimizer = optax.adamw(3e-3)
+    if state is None:
+        state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    out = []
+    for _ in range(steps):
+        batch = batch_at(files, int(state.data_position), 8, seed=0)
+        order = np.argsort(batch["positions"][0])  # sequence order, whatever the cp split
+        out.append(hashlib.sha256(batch["inputs"][:, order].tobytes()).hexdigest())
+        state, metrics = step(state, batch)
+        out[-1] = (float(metrics["loss"]), out[-1])
+    return state, out
+
+
+def test_a_resume_continues_on_the_same_tokens(corpus, tmp_path):
+    from equishard.train import Checkpointer
+
+    state, first = _token_steps(corpus, "dp=2")
+    with Checkpointer(tmp_path / "ckpt") as ckpt:  # waits for the save before the step donates it
+        assert ckpt.save(2, state)
+    _, straight = _token_steps(corpus, "dp=2", state)
+    # The same layout: bit-identical losses; another layout (cp=2): the same tokens.
+    like = _token_steps(corpus, "dp=2", steps=0)[0]  # a new state: the restore's template
+    restored = Checkpointer(tmp_path / "ckpt").restore(like)
+    assert _token_steps(corpus, "dp=2", restored)[1] == straight
+    other = _token_steps(corpus, "dp=2,cp=2", steps=0, cp_impl="ring")[0]
+    resumed = _token_steps(corpus, "dp=2,cp=2", Checkpointer(tmp_path / "ckpt").restore(other), cp_impl="ring")[1]
+    assert [d for _, d in resumed] == [d for _, d in straight]
+    assert all(abs(a - b) <= 1e-4 * abs(b) for (a, _), (b, _) in zip(resumed, straight))
+    assert len(first) == 2
