@@ -8,6 +8,7 @@ generated from them, as `train`'s, `inspect`'s and `plan`'s are.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import pathlib
 import sys
@@ -51,9 +52,11 @@ def _streamer(c: Any, prompts: list[str]) -> Any:
     if c.json or len(prompts) != 1 or c.hf is not None:
         return None
     sys.stdout.write(prompts[0])
+    # Bytes as they come, decoded as UTF-8 (a character's bytes are held until complete).
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def on_token(row: int, token: int) -> None:
-        sys.stdout.buffer.write(bytes([token]))
+        sys.stdout.write(decoder.decode(bytes([token])))
         sys.stdout.flush()
 
     return on_token

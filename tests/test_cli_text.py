@@ -44,7 +44,7 @@ def test_generate_streams_a_prompt_and_prints_a_batch_as_json(run_dir, capsys):
             "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--json"]  # fmt: skip
     batch = json.loads(_out(argv, capsys))
     assert batch["prompts"] == ["def ", "import"] and len(batch["tokens"]) == 2
-    alone = json.loads(_out([*argv[:4], *argv[6:], "--layout", "fsdp=4,tp=2"], capsys))
+    alone = json.loads(_out([*argv[:5], *argv[7:], "--layout", "fsdp=4,tp=2"], capsys))
     assert alone["tokens"][0] == batch["tokens"][0]  # the same row alone, on another layout
 
 
