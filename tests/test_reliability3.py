@@ -607,3 +607,22 @@ def test_a_users_files_survive_train_resume_and_overwrite(tmp_path, capsys):
     moved = [p for p in outside.iterdir() if p.name.startswith("previous-2")]
     assert len(moved) == 1 and sorted(p.name for p in moved[0].iterdir()) == ["1", "2"]
     capsys.readouterr()
+
+
+def test_the_gpt_step_skips_a_batch_with_labels_outside_its_vocabulary():
+    """The reference GPT (vocabulary 256, the fused loss over tp=2): ids up to 999 were
+    trained on (loss 5.63, skipped 0); now the step is skipped, its loss not finite."""
+    import math
+
+    import numpy as np
+
+    from equishard._app import Run, TrainConfig
+
+    r = Run(TrainConfig(model="tiny", layout="dp=2,fsdp=2,tp=2", batch_size=8, seq_len=32))
+    batch = np.random.default_rng(0).integers(0, 256, (8, 33), dtype=np.int32)
+    batch[3, 7] = 999
+    state, metrics = r.train_step(r.init_state(), batch)
+    assert int(metrics["skipped"]) == 1 and not math.isfinite(float(metrics["loss"]))
+    batch[3, 7] = 7
+    _, metrics = r.train_step(state, batch)
+    assert int(metrics["skipped"]) == 0
