@@ -302,6 +302,9 @@ def test_a_signal_at_any_phase_ends_the_run_cleanly(phase, sig, two_steps, tmp_p
     monkeypatch.undo()
     with Checkpointer(run / "checkpoints") as ckpt:
         assert ckpt.latest_step() == {"compile": 0, "restore": 2, "step": 1, "evaluation": 1, "save": 1}.get(phase, 3)
+    if (phase, sig) == ("compile", "SIGTERM"):  # what the line says to run continues the run
+        assert main([*SHORT, "--run-dir", str(run), "--resume"]) == 0
+        assert "resumed from step 0 of" in capsys.readouterr().out
 
 
 def test_a_signal_before_the_run_began_writes_nothing(two_steps, tmp_path, capsys, monkeypatch):
