@@ -40,21 +40,18 @@ def profile_steps(text: str | None, steps: int) -> tuple[int, int] | None:
     return start, stop
 
 
-def check_profile_resumed(text: str | None, steps: int, first: int) -> None:
-    """Refuse a `--profile` range that ends before the step a resumed run starts at (it
-    would trace nothing).
-
-    **Raises:**
-
-    `LayerConfigError` naming `--profile` and the step.
-    """
+def profile_resumed_note(text: str | None, steps: int, first: int) -> str | None:
+    """The warning for a `--profile` range that ends before the step a resumed run starts
+    at (it traces nothing; a resume with the run's own `config.toml` keeps the range it
+    traced the first time), or `None`."""
     traced = profile_steps(text, steps)
-    if traced is not None and traced[1] <= first:
-        raise LayerConfigError(
-            f"--profile {text} traces steps {traced[0]} to {traced[1] - 1}, all before step "
-            f"{first}, where this resumed run starts: nothing would be traced; choose START "
-            f"at {first} or later."
-        )
+    if traced is None or traced[1] > first:
+        return None
+    return (
+        f"warning: --profile {text} traces steps {traced[0]} to {traced[1] - 1}, all before "
+        f"step {first}, where this resumed run starts: nothing will be traced (give a range "
+        f"from step {first} on to trace this run)."
+    )
 
 
 class StepProfiler:

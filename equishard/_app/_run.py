@@ -62,7 +62,7 @@ from ._log import (
     time_summary,
 )
 from ._metrics import METRICS_FILE, MetricsLog, read_metrics
-from ._profile import StepProfiler, check_profile_resumed, profile_steps
+from ._profile import StepProfiler, profile_resumed_note, profile_steps
 from ._rundir import claim, write_atomically
 
 if TYPE_CHECKING:
@@ -531,7 +531,8 @@ def _run_locked(
         resumed = ""
         if resuming:
             state = _resume(r, ckpt, metadata, print_fn)
-            check_profile_resumed(config.profile, config.steps, int(state.step))
+            for note in filter(None, [profile_resumed_note(config.profile, config.steps, int(state.step))]):
+                print_fn(note)
             saved_layout = ckpt.read_metadata(int(state.step)).get("user", {}).get("layout")
             resumed = (
                 f"resumed from step {int(state.step)} of {checkpoint_dir} (data position "
