@@ -8,7 +8,6 @@ generated from them, as `train`'s, `inspect`'s and `plan`'s are.
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import pathlib
 import sys
@@ -47,16 +46,14 @@ def _prompts(c: Any) -> list[str]:
 
 
 def _streamer(c: Any, prompts: list[str]) -> Any:
-    """`on_token` that writes a lone prompt's bytes as they come (none with --json or a
-    batch of prompts, or for a tokenizer's ids, which decode only as a whole)."""
-    if c.json or len(prompts) != 1 or c.hf is not None:
+    """`on_token` that writes a lone prompt's text as it comes (none with --json or a
+    batch of prompts)."""
+    if c.json or len(prompts) != 1:
         return None
     sys.stdout.write(prompts[0])
-    # Bytes as they come, decoded as UTF-8 (a character's bytes are held until complete).
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def on_token(row: int, token: int) -> None:
-        sys.stdout.write(decoder.decode(bytes([token])))
+    def on_token(row: int, text: str) -> None:
+        sys.stdout.write(text)
         sys.stdout.flush()
 
     return on_token

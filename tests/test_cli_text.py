@@ -86,3 +86,52 @@ def test_tokenize_writes_token_files_with_a_manifest(tmp_path, capsys):
     out = _out(["tokenize", str(text), "--out", str(tmp_path / "tokens"), "--train-bpe", "300", "--val-every", "10"], capsys)
     assert "wrote" in out and (tmp_path / "tokens" / "manifest.json").is_file()
     assert main(["tokenize", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t2"), "--train-bpe", "300"]) == 2
+
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf" / "llama3"
+
+
+def _char_tokenizer(folder: pathlib.Path) -> None:
+    """A character tokenizer of 51 ids (the fixture's vocabulary is 64) into `folder`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = "abcdefghijklmnopqrstuvwxyz .,:()=\n_'0123456789"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def test_train_init_from_a_hugging_face_folder_on_its_tokens_and_export_it_back(tmp_path, capsys):
+    """tokenize with the folder's tokenizer, train --init-from (lr 1e-30: the weights stay the
+    source's), export: the tensors are the source's, bit for bit; the source's config
+    and tokenizer are recorded in the run directory."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURE, hf)
+    _char_tokenizer(hf)
+    text = tmp_path / "text"
+    text.mkdir()
+    for d in range(40):  # a file a document, one in 20 held out
+        (text / f"{d}.txt").write_text("".join(f"def f{i}(x):\n    return x + {d * i}\n" for i in range(8)))
+    _out(["tokenize", str(text), "--out", str(tmp_path / "tok"), "--tokenizer", str(hf)], capsys)
+    run = tmp_path / "run"
+    argv = ["train", "--init-from", str(hf), "--data", str(tmp_path / "tok"), "--steps", "1", "--lr", "1e-30", "--weight-decay", "0",
+            "--batch-size", "8", "--seq-len", "16", "--layout", "dp=2,fsdp=2,tp=2", "--eval-every", "1",
+            "--eval-batches", "1", "--sample-bytes", "4", "--no-progress", "--no-plot", "--no-tensorboard",
+            "--run-dir", str(run)]  # fmt: skip
+    out = _out(argv, capsys)
+    assert "nats per byte" in out and (run / "hf-source" / "tokenizer.json").is_file()
+    _out(["export", "--run-dir", str(run), "--to", str(tmp_path / "out")], capsys)
+    source = {k: v for f in sorted(FIXTURE.glob("*.safetensors")) for k, v in load_file(f).items()}
+    exported = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert sorted(exported) == sorted(source)
+    assert all(np.array_equal(exported[k], source[k]) for k in source)
+    assert main([*argv[:3], "--steps", "1", "--run-dir", str(tmp_path / "r2")]) == 2
+    assert "give --data DIR" in capsys.readouterr().err

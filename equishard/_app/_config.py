@@ -85,6 +85,7 @@ class ModelOptions:
     """The model, its compute dtype and how its steps keep activations."""
 
     model: str = option("small", "model size preset (the registry inspect and plan share; one too large for this machine is refused)", resume=COMPUTATION, choices=tuple(PRESETS))
+    init_from: str | None = option(None, "start from the weights of a Hugging Face folder (config.json and safetensors of the Llama family; the architecture from its config.json, --model ignored; needs --data for its tokenizer's ids)", resume=COMPUTATION, metavar="DIR")
     dtype: str = option("float32", "compute dtype (master weights stay float32)", resume=COMPUTATION, choices=tuple(DTYPES))
     remat: str = option(
         "none", resume=NEUTRAL, choices=REMAT_POLICIES,
@@ -122,6 +123,8 @@ class DataOptions:
     batch_size: int = option(16, "global batch, in sequences", resume=COMPUTATION)
     seq_len: int = option(128, "sequence length, in bytes", resume=COMPUTATION)
     seed: int = option(0, "seed of the initialisation and of the data order", resume=COMPUTATION)
+    data: str | None = option(None, "train on the token files `equishard tokenize` wrote to DIR (the vocabulary from its manifest; documents packed) instead of the standard library's bytes", resume=COMPUTATION, metavar="DIR")
+    document_masking: bool = option(True, "with --data: let attention cross document boundaries and positions run on (off: each document attends to itself, positions restart)", resume=COMPUTATION)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,6 +115,15 @@ def evaluate_run(
     changes |= {} if seed is None else {"seed": seed}
     run, state, step = load_run(run_dir, layout=layout, devices=devices, changes=changes)
     config = run.config
+    if run.tokens is not None:
+        if whole_split:
+            raise GenerationError("eval --whole-split: the byte corpus's windows; a --data run evaluates its validation batches.")
+        loss = run.validation_loss(state, None)
+        return {
+            "step": step, "loss": loss, "perplexity": math.exp(loss),
+            "bits_per_byte": run.per_byte(loss)["val_loss_per_byte"] / math.log(2),
+            "tokens": config.eval_batches * config.batch_size * config.seq_len, "batches": config.eval_batches,
+        }  # fmt: skip
     corpus = load_stdlib_corpus()
     if whole_split:
         losses = _whole_split(run, state, corpus)
@@ -170,7 +179,8 @@ def generate_from_run(
     - `stop`: single bytes that end a row (the byte model's stop tokens).
     - `gather`: see `equishard.models.Generator`.
     - `devices`: the devices to use (default: all).
-    - `on_token`: `on_token(row, token)` as each byte comes.
+    - `on_token`: `on_token(row, text)` with each row's new text as its tokens come
+      (decoded as a whole so far: a character split over tokens comes when complete).
 
     **Returns:**
 
@@ -182,11 +192,16 @@ def generate_from_run(
     `GenerationError` as `load_run` and `equishard.models.Generator` do, or for a stop
     string that is not one byte.
     """
+    run, state, step = load_run(run_dir, layout=layout, devices=devices)
+    if run.tokens is not None:  # a --data run: its token files' tokenizer
+        return _generate_tokens(
+            run, state, step, [str(p) for p in prompts], max_new_tokens=max_new_tokens, max_len=max_len,
+            sampling=sampling, seed=seed, stop=[str(s) for s in stop], gather=gather, on_token=on_token,
+        )  # fmt: skip
     data = [p.encode("utf-8") if isinstance(p, str) else bytes(p) for p in prompts]
     stops = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop]
     if any(len(s) != 1 for s in stops):
         raise GenerationError(f"generate: stop strings {stops!r}: the byte model stops on single bytes.")
-    run, state, step = load_run(run_dir, layout=layout, devices=devices)
     longest = max((len(p) for p in data), default=1)
     length = max_len or max(run.config.seq_len, -(-longest // 16) * 16 + max_new_tokens)
     generator = Generator(
@@ -194,7 +209,7 @@ def generate_from_run(
     )
     out = generator.generate(
         [list(p) for p in data], max_new_tokens=max_new_tokens, key=jax.random.key(seed),
-        stop_tokens=[s[0] for s in stops], on_token=on_token,
+        stop_tokens=[s[0] for s in stops], on_token=_text_stream(on_token, lambda ids: bytes(ids).decode("utf-8", errors="ignore")),
     )  # fmt: skip
     return {
         "step": step,
@@ -207,13 +222,48 @@ def generate_from_run(
     }
 
 
-def _hf_stop_ids(folder: pathlib.Path, tokenizer: Any, stop: Sequence[str]) -> list[int]:
-    """The end-of-text ids `config.json` names and each stop string's one token."""
-    import json
+def _text_stream(on_token: Any, decode: Any) -> Any:
+    """`on_token(row, id)` for the generator that hands `on_token(row, text)` each row's
+    new text: the row's ids decoded as a whole, less what was handed before."""
+    if on_token is None:
+        return None
+    ids: dict[int, list[int]] = {}
+    shown: dict[int, str] = {}
 
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    eos = config.get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    def each(row: int, token: int) -> None:
+        ids.setdefault(row, []).append(int(token))
+        text = decode(ids[row])
+        new = text[len(shown.get(row, "")) :] if text.startswith(shown.get(row, "")) else ""
+        if new:
+            shown[row] = text
+            on_token(row, new)
+
+    return each
+
+
+def _tokenized(
+    generator: Generator, tokenizer: Any, prompts: Sequence[str], stop_ids: list[int], *,
+    max_new_tokens: int, seed: int, on_token: Any, step: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """`generate_from_run`'s result for prompts encoded by `tokenizer`."""
+    out = generator.generate(
+        [tokenizer.encode(p).ids for p in prompts], max_new_tokens=max_new_tokens,
+        key=jax.random.key(seed), stop_tokens=stop_ids, on_token=_text_stream(on_token, tokenizer.decode),
+    )  # fmt: skip
+    return {
+        "step": step,
+        "texts": [tokenizer.decode(list(t)) for t in out.tokens],
+        "tokens": out.tokens,
+        "stopped": out.stopped,
+        "prefill_seconds": out.prefill_seconds,
+        "decode_seconds": out.decode_seconds,
+        "decode_steps": out.decode_steps,
+    }
+
+
+def _one_token_each(tokenizer: Any, stop: Sequence[str]) -> list[int]:
+    """Each stop string's one token (refused by name if it is several)."""
+    ids = []
     for text in stop:
         encoded = tokenizer.encode(text, add_special_tokens=False).ids
         if len(encoded) != 1:
@@ -223,6 +273,32 @@ def _hf_stop_ids(folder: pathlib.Path, tokenizer: Any, stop: Sequence[str]) -> l
             )
         ids.append(encoded[0])
     return ids
+
+
+def _generate_tokens(
+    run: Any, state: Any, step: int, prompts: Sequence[str], *, max_new_tokens: int, max_len: int | None,
+    sampling: Sampling, seed: int, stop: Sequence[str], gather: str, on_token: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """`generate_from_run` for a `--data` run: the prompts encoded by its tokenizer, the
+    tokenizer's end-of-text token a stop token."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(run.tokens.train.directory / "tokenizer.json"))
+    eot = run.tokens.train.manifest["tokenizer"].get("eot")
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    length = max_len or max(run.config.seq_len, -(-max(map(len, ids)) // 16) * 16 + max_new_tokens)
+    generator = Generator(state.model, run.mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=tokenizer.get_vocab_size())
+    stops = ([eot] if eot is not None else []) + _one_token_each(tokenizer, stop)
+    return _tokenized(generator, tokenizer, prompts, stops, max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=step)
+
+
+def _hf_stop_ids(folder: pathlib.Path, tokenizer: Any, stop: Sequence[str]) -> list[int]:
+    """The end-of-text ids `config.json` names and each stop string's one token."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    eos = config.get("eos_token_id")
+    return ([eos] if isinstance(eos, int) else list(eos or [])) + _one_token_each(tokenizer, stop)
 
 
 def generate_from_hf(
@@ -259,16 +335,5 @@ def generate_from_hf(
     longest = max((len(p) for p in ids), default=1)
     length = max_len or -(-longest // 16) * 16 + max_new_tokens
     generator = Generator(model, mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=tokenizer.get_vocab_size())
-    out = generator.generate(
-        ids, max_new_tokens=max_new_tokens, key=jax.random.key(seed),
-        stop_tokens=_hf_stop_ids(folder, tokenizer, stop), on_token=on_token,
-    )  # fmt: skip
-    return {
-        "step": None,
-        "texts": [tokenizer.decode(list(t)) for t in out.tokens],
-        "tokens": out.tokens,
-        "stopped": out.stopped,
-        "prefill_seconds": out.prefill_seconds,
-        "decode_seconds": out.decode_seconds,
-        "decode_steps": out.decode_steps,
-    }
+    stops = _hf_stop_ids(folder, tokenizer, stop)
+    return _tokenized(generator, tokenizer, prompts, stops, max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=None)

@@ -68,6 +68,20 @@ def init_from_hf(
     count in the training loss); or for a `<run_dir>/hf-source/` that exists already.
     """
     folder = os.fspath(folder)
+    hf_model_config(folder, layout, seq_len=seq_len)  # refused before any tensor is read
+    model = load_hf(folder, layout.parallelism, mesh, dtype=dtype, seq_len=seq_len)
+    if run_dir is not None:
+        record_hf_source(folder, run_dir)
+    return model.config, model
+
+
+def hf_model_config(folder: str | os.PathLike[str], layout: ResolvedLayout, *, seq_len: int | None = None) -> GPTConfig:
+    """The `GPTConfig` of `equishard train --init-from DIR` under `layout`, from
+    `DIR/config.json` alone (no tensor read).
+
+    **Raises:** `CheckpointError` as `init_from_hf` does.
+    """
+    folder = os.fspath(folder)
     par = layout.parallelism
     config = gpt_config_from_hf(read_hf_config(folder), vocab_multiple=par.size(par.tensor), seq_len=seq_len)
     if config.real_vocab_size is not None:
@@ -79,10 +93,7 @@ def init_from_hf(
             f"padding it would add the padding ids to the training loss. Choose a layout "
             f"whose tp divides {config.real_vocab_size}."
         )
-    model = load_hf(folder, par, mesh, dtype=dtype, seq_len=seq_len)
-    if run_dir is not None:
-        record_hf_source(folder, run_dir)
-    return model.config, model
+    return config
 
 
 def record_hf_source(folder: str | os.PathLike[str], run_dir: str | os.PathLike[str]) -> pathlib.Path:

@@ -242,6 +242,32 @@ def check_fits_machine(name: str, model: Any, devices: list) -> None:
         )
 
 
+def _model_and_data(config: TrainConfig, layout: ResolvedLayout, devices: list) -> tuple[GPTConfig, Any]:
+    """The model's configuration (a preset's, or `--init-from`'s `config.json`) and the
+    token data (`--data`, or `None` for the byte corpus), the vocabulary the model's."""
+    from ._token_data import load_token_data
+
+    if config.init_from is not None and config.data is None:
+        raise LayerConfigError(
+            f"--init-from {config.init_from}: a pretrained model reads its tokenizer's ids, "
+            f"not bytes: give --data DIR, token files `equishard tokenize --tokenizer "
+            f"{config.init_from}` wrote with the model's own tokenizer."
+        )
+    if config.init_from is not None:
+        from ._hf import hf_model_config
+
+        base = hf_model_config(config.init_from, layout, seq_len=config.seq_len)
+    else:
+        check_fits_machine(config.model, PRESETS[config.model], devices)
+        base = PRESETS[config.model]
+    if config.data is None:
+        return base, None
+    cp = layout.parallelism.size(layout.parallelism.context)
+    init_vocab = base.vocab_size if config.init_from is not None else None
+    tokens = load_token_data(config.data, config.seq_len, cp=cp, init_vocab_size=init_vocab)
+    return dataclasses.replace(base, vocab_size=tokens.vocab_size), tokens
+
+
 class Run:
     """A training run's pieces, built from a `TrainConfig` (see `run`)."""
 
@@ -252,11 +278,11 @@ class Run:
         self.layout: ResolvedLayout = layout_from_options(config).resolve(len(devices))
         self.mesh: Mesh = self.layout.mesh(devices)
         _check(config, self.layout)
-        check_fits_machine(config.model, PRESETS[config.model], devices)
         self.parallelism = self.layout.parallelism
+        base, self.tokens = _model_and_data(config, self.layout, devices)
         self.model_config = dataclasses.replace(
-            PRESETS[config.model], remat=config.remat, remat_offload=config.remat_offload,
-            batch_chunks=config.batch_chunks,
+            base, remat=config.remat, remat_offload=config.remat_offload,
+            batch_chunks=config.batch_chunks, document_masking=config.document_masking,
         )  # fmt: skip
         self.optimizer = make_optimizer(config)
         self.batch_spec = self.layout.batch_spec
@@ -291,12 +317,57 @@ class Run:
         return self.training.make_model(key)
 
     def init_state(self) -> TrainState:
-        """The initial state, born sharded (mesh-invariant: the same on every layout)."""
+        """The initial state, born sharded (mesh-invariant: the same on every layout);
+        with `--init-from`, its model read from the Hugging Face folder (each device its
+        own blocks; the optimizer state is built from the parameters' shapes alone)."""
+        state = self._initial_state()
+        if self.config.init_from is None:
+            return state
+        from ._hf import init_from_hf
+
+        _, model = init_from_hf(self.config.init_from, self.layout, self.mesh, seq_len=self.config.seq_len)
+        return eqx.tree_at(lambda s: s.model, state, model)
+
+    def _initial_state(self) -> TrainState:
         return self.training.init_state(jax.random.key(self.config.seed))
 
     def state_template(self) -> TrainState:
         """The state's structure, shapes and specs, computed without building it."""
-        return eqx.filter_eval_shape(self.init_state)
+        return eqx.filter_eval_shape(self._initial_state)
+
+    def train_batch(self, corpus: ByteCorpus | None, position: int) -> Any:
+        """The training batch at a data position: the token files' (`--data`, packed
+        documents in a permutation per epoch) or the byte corpus's windows."""
+        config = self.config
+        if self.tokens is not None:
+            return self.tokens.batch("train", position, config.batch_size, seed=config.seed, sharding=self.batch_sharding)
+        assert corpus is not None
+        return self.batch(corpus.train, position)
+
+    def sample(self, model: GPT, prompt: str, length: int) -> str:
+        """`length` tokens after `prompt` from `model` (global arrays), decoded: bytes for
+        the byte model, the token files' tokenizer with `--data`."""
+        config = self.config
+        key = jax.random.key(config.seed)
+        if self.tokens is None:
+            out = sample_text(model, prompt.encode(), length, seq_len=config.seq_len, key=key)
+            return bytes(out).decode("utf-8", errors="replace")  # type: ignore[arg-type]
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(self.tokens.train.directory / "tokenizer.json"))
+        ids = tokenizer.encode(prompt).ids or [0]
+        out = sample_text(model, ids, length, seq_len=config.seq_len, key=key, vocab_size=tokenizer.get_vocab_size())
+        return tokenizer.decode(list(out))  # type: ignore[arg-type]
+
+    def per_byte(self, val_loss: float) -> dict[str, float]:
+        """With `--data`, `{"val_loss_per_byte": ...}`: a loss per token as nats per
+        byte of the validation text, comparable with the byte model's (else nothing: the
+        byte model's tokens are bytes)."""
+        return {} if self.tokens is None else {"val_loss_per_byte": self.tokens.nats_per_byte(val_loss)}
+
+    def data_identity(self) -> dict[str, Any]:
+        """What a checkpoint records of the data (to refuse resuming on other data)."""
+        return corpus_identity() if self.tokens is None else self.tokens.identity()
 
     def batch(self, data: np.ndarray, position: int) -> Any:
         """The global batch at a data position (a global sample count).
@@ -315,16 +386,23 @@ class Run:
             transform=None if cp == 1 else functools.partial(token_batch, cp=cp),
         )  # fmt: skip
 
-    def validation_loss(self, state: TrainState, corpus: ByteCorpus) -> float:
-        """Mean cross-entropy over `eval_batches` fixed validation batches."""
-        losses = [
-            float(self.eval_loss(state.model, self.batch(corpus.val, i * self.config.batch_size)))
-            for i in range(self.config.eval_batches)
-        ]
-        return float(np.mean(losses))
+    def validation_loss(self, state: TrainState, corpus: ByteCorpus | None) -> float:
+        """Mean cross-entropy over `eval_batches` fixed validation batches (the token
+        files' validation split in order with `--data`, else the byte corpus's)."""
+        size = self.config.batch_size
+
+        def batch(i: int) -> Any:
+            if self.tokens is not None:
+                return self.tokens.batch("val", i * size, size, seed=self.config.seed, sharding=self.batch_sharding)
+            assert corpus is not None
+            return self.batch(corpus.val, i * size)
+
+        return float(np.mean([float(self.eval_loss(state.model, batch(i))) for i in range(self.config.eval_batches)]))
 
 
-def sample_text(model: GPT, prompt: bytes, length: int, *, seq_len: int, key: Any) -> bytes:
+def sample_text(
+    model: GPT, prompt: bytes | list[int], length: int, *, seq_len: int, key: Any, vocab_size: int = 256
+) -> bytes | list[int]:
     """Generate `length` bytes after `prompt` with a one-device copy of `model`.
 
     The cached path (`equishard.models.Generator`, temperature 0.8): the prompt
@@ -335,26 +413,27 @@ def sample_text(model: GPT, prompt: bytes, length: int, *, seq_len: int, key: An
     **Arguments:**
 
     - `model`: a `GPT` with global arrays (e.g. `gather(state.model)`), any layout.
-    - `prompt`: the bytes to continue (at least one).
-    - `length`: bytes to generate (temperature 0.8 sampling).
+    - `prompt`: the bytes to continue (at least one), or a tokenizer's ids.
+    - `length`: bytes (tokens) to generate (temperature 0.8 sampling).
     - `seq_len`: the context window the model was trained on.
     - `key`: a PRNG key.
+    - `vocab_size`: the tokenizer's vocabulary (ids from it on never drawn; 256: bytes).
 
     **Returns:**
 
-    The generated bytes (without the prompt).
+    The generated bytes (without the prompt), or the ids for a prompt of ids.
     """
     from ..models import Generator, Sampling
 
     if length < 1:
-        return b""
+        return b"" if isinstance(prompt, bytes) else []
     single = to_single_device(model)
     device = next(iter(jax.tree.leaves(eqx.filter(single, eqx.is_array))[0].devices()))
     mesh = Mesh(np.array([device]), ("dp",))
     max_len = max(seq_len, -(-len(prompt) // 16) * 16 + length)
-    generator = Generator(single, mesh, max_len=max_len, sampling=Sampling(temperature=0.8), vocab_size=256)
+    generator = Generator(single, mesh, max_len=max_len, sampling=Sampling(temperature=0.8), vocab_size=vocab_size)
     out = generator.generate([list(prompt)], max_new_tokens=length, key=key)
-    return bytes(out.tokens[0])
+    return bytes(out.tokens[0]) if isinstance(prompt, bytes) else list(out.tokens[0])
 
 
 def plot_losses(rows: list[dict[str, Any]], path: pathlib.Path, title: str | None = None) -> None:
@@ -510,13 +589,13 @@ def _run_locked(
     resuming = config.resume or config.resume_step is not None
     # Read (and checked) before anything is compiled: a damaged log is refused now.
     rows = read_metrics(run_dir / METRICS_FILE) if resuming and is_coordinator() else []
-    corpus = load_stdlib_corpus()
+    corpus = load_stdlib_corpus() if r.tokens is None else None
     metadata = {
         "model": _architecture(r.model_config),
         "preset": config.model,
         "layout": config.layout,
         "unit_order": r.unit_order(),
-        "corpus": corpus_identity(),
+        "corpus": r.data_identity(),
     }
     ckpt = Checkpointer(
         checkpoint_dir,
@@ -552,6 +631,10 @@ def _run_locked(
             state = r.init_state()
         mark()
         _write_config(run_dir, config)
+        if config.init_from is not None and not resuming and is_coordinator():
+            from ._hf import record_hf_source
+
+            record_hf_source(config.init_from, run_dir)  # its config.json and tokenizer, for export
         throughput = Throughput(
             tokens_per_step=config.batch_size * config.seq_len,
             flops_per_token=gpt_flops_per_token(r.model_config, config.seq_len),
@@ -637,6 +720,15 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any], print_fn: Call
             f"resume a circular-pipeline run with the same pp size and repeats."
         )
     corpus, here = saved.get("corpus"), metadata["corpus"]
+    if corpus is not None and corpus != here and ("tokenizer_sha256" in corpus or "tokenizer_sha256" in here):
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {checkpoint_dir} was trained on other data "
+            f"({corpus.get('data', 'the standard library bytes')}, tokenizer sha256 "
+            f"{str(corpus.get('tokenizer_sha256'))[:12]}...) than this run's "
+            f"({here.get('data', 'the standard library bytes')}, tokenizer sha256 "
+            f"{str(here.get('tokenizer_sha256'))[:12]}...): its data positions would index other "
+            f"tokens. Resume with the --data the run started with."
+        )
     if corpus is not None and corpus != here:
         raise CheckpointError(
             f"the checkpoint at step {step} in {checkpoint_dir} was trained on another corpus "
@@ -781,7 +873,7 @@ class _Phases:
 def _train(
     r: Run,
     state: TrainState,
-    corpus: ByteCorpus,
+    corpus: ByteCorpus | None,
     ckpt: Checkpointer,
     log: _Log,
     start: float,
@@ -817,7 +909,7 @@ def _train(
     step_fn = r.train_step
     if first < config.steps and not stop.received:  # a stop asked for already: no compile
         print_fn("compiling the train step...")
-        first_batch = r.batch(corpus.train, int(state.data_position))
+        first_batch = r.train_batch(corpus, int(state.data_position))
         step_fn = phases.timed("compile", lambda: r.train_step.compile(state, first_batch))
         print_fn(f"compiled the train step in {phases.seconds['compile']:.1f} s")
     bar = _progress(config, first) if coordinator else None
@@ -837,7 +929,7 @@ def _train(
             if stop.stop():  # asked during the compilation, the restore or the last step
                 break
             began = clock()
-            batch = r.batch(corpus.train, int(state.data_position))
+            batch = r.train_batch(corpus, int(state.data_position))
             # A skipped step (non-finite loss, gradients or update) is not applied but
             # consumes its batch: the step count and data position advance, and so does
             # a resumed run, from the same saved position.
@@ -861,13 +953,15 @@ def _train(
                 emit(step_line(logged, config.steps))
                 window.seconds, window.steps = 0.0, 0
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                val_loss = phases.timed("evaluation", lambda: r.validation_loss(state, corpus))
-                out.write({"step": step + 1, "val_loss": val_loss, "time": time.time()})
-                rows.append({"step": step + 1, "val_loss": val_loss})
+                val_loss = measured = phases.timed("evaluation", lambda: r.validation_loss(state, corpus))
+                val_row = {"step": step + 1, "val_loss": measured, **r.per_byte(measured)}
+                out.write({**val_row, "time": time.time()})
+                rows.append(val_row)
                 if board is not None:
                     board.step(rows[-1])
                     board.flush()
-                emit(f"step {step + 1}: validation loss {val_loss:.4f}")
+                per_byte = f" ({val_row['val_loss_per_byte']:.4f} nats per byte)" if "val_loss_per_byte" in val_row else ""
+                emit(f"step {step + 1}: validation loss {val_loss:.4f}{per_byte}")
             streaks.after(step + 1, values, emit)
             ckpt.poll()  # a checkpoint write that failed in the background stops the run
             if bar is not None:
@@ -934,18 +1028,15 @@ def _finish(
     exported = phases.timed(
         "export", lambda: export_model(to_single_device(gather(state.model)), run_dir / "model.eqx")
     )
-    sample = b""
+    sample = ""
     if config.sample_bytes and stop.stop():
         return _stopped_at_end(config, f"the model is in {exported}; the sample was", stop, print_fn)
     if config.sample_bytes:
-        prompt = b"def "
+        prompt = "def "
         whole = gather(state.model)  # across processes a collective: every process joins
         if coordinator:  # then no collective: process 0 samples alone
-            sample = phases.timed("sample", lambda: sample_text(
-                whole, prompt, config.sample_bytes, seq_len=config.seq_len,
-                key=jax.random.key(config.seed),
-            ))  # fmt: skip
-        print_fn("sample: " + (prompt + sample).decode("utf-8", errors="replace"))
+            sample = phases.timed("sample", lambda: r.sample(whole, prompt, config.sample_bytes))
+        print_fn("sample: " + prompt + sample)
     if stop.received is not None:  # during the sample, which completed
         print_fn(f"equishard train: received {stop.name} during the sample: the run is complete.")
     seconds = clock() - start
@@ -954,7 +1045,7 @@ def _finish(
         loss = next((row["loss"] for row in reversed(rows) if "loss" in row), float("nan"))
     val = f", validation loss {val_loss:.4f}" if val_loss is not None else ""
     print_fn(
-        f"done: {config.steps} steps, train loss {loss:.4f}{val} nats/byte; training "
+        f"done: {config.steps} steps, train loss {loss:.4f}{val} nats/{'byte' if r.tokens is None else 'token'}; training "
         f"{rate_summary(totals)} over {throughput.steps} steps"
     )
     print_fn(f"time: {time_summary(phases.seconds, seconds)}")
@@ -969,7 +1060,7 @@ def _finish(
         "timings": dict(phases.seconds),
         "parameters": count_parameters(state.model),
         "run_dir": str(run_dir),
-        "sample": sample.decode("utf-8", errors="replace"),
+        "sample": sample,
     }
 
 
