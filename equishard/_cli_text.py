@@ -17,11 +17,14 @@ from ._cli_base import HelpFormatter, use_cpu_devices
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from ._app._internal import TokenizeConfig, from_args, tokenize
+    from ._app._internal import TokenizeConfig, from_args, stdlib_files, tokenize
+    from ._errors import EquishardError
 
     c = from_args(TokenizeConfig, args)
+    if bool(c.inputs) == c.stdlib:
+        raise EquishardError("tokenize: give the input files (or directories), or --stdlib; one of the two.")
     manifest = tokenize(
-        c.inputs, c.out, tokenizer=c.tokenizer, train_bpe_vocab=c.train_bpe, text_field=c.text_field,
+        stdlib_files() if c.stdlib else c.inputs, c.out, tokenizer=c.tokenizer, train_bpe_vocab=c.train_bpe, text_field=c.text_field,
         val_every=c.val_every, workers=c.workers, progress=c.progress and sys.stderr.isatty(),
     )  # fmt: skip
     splits = manifest.get("splits", {})

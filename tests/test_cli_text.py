@@ -86,6 +86,13 @@ def test_tokenize_writes_token_files_with_a_manifest(tmp_path, capsys):
     out = _out(["tokenize", str(text), "--out", str(tmp_path / "tokens"), "--train-bpe", "300", "--val-every", "10"], capsys)
     assert "wrote" in out and (tmp_path / "tokens" / "manifest.json").is_file()
     assert main(["tokenize", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t2"), "--train-bpe", "300"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["tokenize", str(text), "--stdlib", "--out", str(tmp_path / "t3"), "--train-bpe", "300"]) == 2
+    assert "or --stdlib; one of the two" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    assert main(["tokenize", str(text), "--out", str(tmp_path / "mine"), "--train-bpe", "300"]) == 2
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine" and len(list((tmp_path / "mine").iterdir())) == 1
 
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf" / "llama3"

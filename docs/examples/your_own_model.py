@@ -106,16 +106,15 @@ class Model(eqx.Module):
 
 
 # --8<-- [start:loss]
-def make_loss(data_axes):
-    def loss_fn(model, batch, key, *, index):
-        # `index`: int32[B_local], where this device's examples sit in the global
-        # batch. One key per example: the same masks on every layout.
-        keys = example_keys(key, index)
-        logits = jax.vmap(model)(batch[:, :-1], key=keys)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-        return jax.lax.pmean(loss, data_axes), {}  # the global loss
-
-    return loss_fn
+def loss_fn(model, batch, key, *, index):
+    # Written as on one device: the mean over the batch it is given (in the local view
+    # this device's block; the step averages it over the data axes). `index`:
+    # int32[B_local], where these examples sit in the global batch. One key per
+    # example: the same masks on every layout. `es.unbox` gives the plain model, its
+    # FSDP units gathered, in either view.
+    keys = example_keys(key, index)
+    logits = jax.vmap(es.unbox(model))(batch[:, :-1], key=keys)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean(), {}
 # --8<-- [end:loss]
 
 
@@ -147,7 +146,7 @@ def train(layout, grad_accum=1, steps=4):
     data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
     state = init_train_state(make_model(mesh), optimizer, jax.random.key(0), mesh=mesh)
     step = make_train_step(
-        make_loss(data), optimizer, mesh=mesh, batch_spec=P(data), grad_accum=grad_accum
+        loss_fn, optimizer, mesh=mesh, batch_spec=P(data), grad_accum=grad_accum
     )
     losses = []
     for batch in batches[:steps]:
@@ -200,16 +199,10 @@ def tp_rules(layout):
     ]
 
 
-def global_loss(model, batch, key, *, index):
-    keys = example_keys(key, index)  # index: 0, ..., B - 1 in the global view
-    logits = jax.vmap(es.unbox(model))(batch[:, :-1], key=keys)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean(), {}
-
-
 mesh = es.make_mesh("fsdp=4,tp=2")
 make = lambda k: es.apply_rules(Model(key=k), tp_rules("fsdp=4,tp=2"))  # noqa: E731
 state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
-step = make_train_step(global_loss, optimizer, mesh=mesh, batch_spec=P("fsdp"), view="global")
+step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=P("fsdp"), view="global")  # the same loss
 losses = []
 for batch in batches[:4]:
     state, metrics = step(state, batch)

@@ -242,7 +242,8 @@ class LaunchConfig:
 class TokenizeConfig:
     """`equishard tokenize`: text files into token files (see `_tokenize.tokenize`)."""
 
-    inputs: tuple[str, ...] = option((), ".txt / .jsonl files (optionally .gz), or directories of them", flag="inputs", nargs="+", metavar="INPUT")
+    inputs: tuple[str, ...] = option((), ".txt / .jsonl files (optionally .gz), or directories of them", flag="inputs", nargs="*", metavar="INPUT")
+    stdlib: bool = option(False, "tokenize the corpus `equishard train` reads by default instead: the running Python's standard library (its top-level modules, a document each)")
     out: str = option("", "the token-file folder to write (must not exist, or be empty)", required=True, metavar="DIR")
     tokenizer: str | None = option(None, "a tokenizer.json (or a Hugging Face folder holding one)", metavar="FILE")
     train_bpe: int | None = option(None, "instead of --tokenizer: train a byte-level BPE of this vocabulary on the inputs", metavar="VOCAB")

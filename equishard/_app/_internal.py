@@ -17,6 +17,7 @@ from ._config import (
     layout_from_options as layout_from_options,
     load_config as load_config,
 )
+from ._data import stdlib_files as stdlib_files
 from ._generate import (
     evaluate_run as evaluate_run,
     generate_from_hf as generate_from_hf,

@@ -954,7 +954,7 @@ def _train(
                 window.seconds, window.steps = 0.0, 0
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
                 val_loss = measured = phases.timed("evaluation", lambda: r.validation_loss(state, corpus))
-                val_row = {"step": step + 1, "val_loss": measured, **r.per_byte(measured)}
+                val_row = {"step": step + 1, "val_loss": measured, "val_ppl": math.exp(min(measured, 700.0)), **r.per_byte(measured)}
                 out.write({**val_row, "time": time.time()})
                 rows.append(val_row)
                 if board is not None:

@@ -23,6 +23,7 @@ block on its global parameters.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -893,69 +894,53 @@ class TransformerBlock(eqx.Module):
         n_heads: int,
         d_ff: int,
         *,
-        n_kv_heads: int | None = None,
-        kv_replicated: bool = False,
-        axis_name: str = "tp",
-        context_axis_name: str | None = None,
-        context_impl: str = "ring",
-        style: str = "megatron",
-        rotary: bool = False,
-        rotary_base: float = 10000.0,
-        rotary_scaling: tuple[float, float, float, float] | None = None,
         swiglu: bool = False,
         activation: Callable[[Array], Array] = jax.nn.gelu,
-        bias: bool = False,
-        qkv_bias: bool | None = None,
         eps: float = 1e-6,
-        init_type: str = "xavier_normal",
-        dtype: Any = None,
         moe: MoE | None = None,
         key: PRNGKeyArray,
+        **attention: Any,
     ):
         """**Arguments:**
 
         - `d_model`: the model width.
         - `n_heads`: the number of attention heads (divisible by the axis size).
-        - `n_kv_heads`, `kv_replicated`: grouped-query attention's key/value heads and
-          their storage (see `ParallelAttention`).
-        - `context_axis_name`, `context_impl`: context parallelism of the attention
-          (see `ParallelAttention`).
         - `d_ff`: the MLP's hidden width (divisible by the axis size); unused with `moe`.
-        - `axis_name`: the tensor-parallel mesh axis.
-        - `style`: `"megatron"` (activations replicated over the axis) or `"sequence"`
-          (activations split over the sequence between sub-layers).
-        - `rotary`: rotary position embeddings in attention.
-        - `rotary_base`, `rotary_scaling`: their frequency base and scaling (see
-          `ParallelAttention`).
         - `swiglu`: a SwiGLU MLP instead of `activation`.
         - `activation`: the MLP's activation without `swiglu`.
-        - `bias`: biases in the projections.
-        - `qkv_bias`: biases in the attention's query, key and value projections only
-          (`None`: as `bias`).
         - `eps`: the norms' epsilon.
-        - `init_type`: the projections' init type.
-        - `dtype`: the parameters' dtype.
         - `moe`: a mixture-of-experts layer to use as the feed-forward sub-layer
           instead of the MLP (its width must be `d_model`).
         - `key`: a PRNG key.
+        - `attention`: the attention's options, as `ParallelAttention` takes them
+          (`n_kv_heads`, `kv_replicated`, `axis_name`, `context_axis_name`,
+          `context_impl`, `style`, `rotary`, `rotary_base`, `rotary_scaling`, `bias`,
+          `qkv_bias`, `init_type`, `dtype`); the MLP shares `axis_name` (the
+          tensor-parallel axis, default `"tp"`), `style` (`"megatron"`: activations
+          replicated over the axis, or `"sequence"`: split over the sequence between
+          sub-layers), `bias`, `init_type` and `dtype`, and the norms `dtype`.
         """
+        known = set(inspect.signature(ParallelAttention.__init__).parameters) - {"self", "d_model", "n_heads", "key"}
+        unknown = sorted(set(attention) - known)
+        if unknown:
+            raise LayerConfigError(
+                f"TransformerBlock: {', '.join(unknown)} is no option of the block or of its "
+                f"attention; the attention takes {', '.join(sorted(known))}."
+            )
+        axis_name, style = attention.get("axis_name", "tp"), attention.get("style", "megatron")
         _check_style("TransformerBlock", style)
         if moe is not None and moe.hidden != d_model:
             raise LayerConfigError(
                 f"TransformerBlock: the MoE layer's hidden={moe.hidden} is not d_model={d_model}."
             )
+        shared = {k: attention[k] for k in ("bias", "init_type", "dtype") if k in attention}
         akey, mkey = jax.random.split(key)
-        self.norm1 = RMSNorm(d_model, eps=eps, dtype=dtype)
-        self.attn = ParallelAttention(
-            d_model, n_heads, n_kv_heads=n_kv_heads, kv_replicated=kv_replicated, axis_name=axis_name,
-            context_axis_name=context_axis_name, context_impl=context_impl, style=style, rotary=rotary,
-            rotary_base=rotary_base, rotary_scaling=rotary_scaling, bias=bias, qkv_bias=qkv_bias,
-            init_type=init_type, dtype=dtype, key=akey,
-        )  # fmt: skip
-        self.norm2 = RMSNorm(d_model, eps=eps, dtype=dtype)
+        self.norm1 = RMSNorm(d_model, eps=eps, dtype=shared.get("dtype"))
+        self.attn = ParallelAttention(d_model, n_heads, **attention, key=akey)
+        self.norm2 = RMSNorm(d_model, eps=eps, dtype=shared.get("dtype"))
         self.mlp = moe if moe is not None else ParallelMLP(
-            d_model, d_ff, axis_name=axis_name, style=style, swiglu=swiglu,
-            activation=activation, bias=bias, init_type=init_type, dtype=dtype, key=mkey,
+            d_model, d_ff, axis_name=axis_name, style=style, swiglu=swiglu, activation=activation,
+            key=mkey, **shared,
         )  # fmt: skip
         self.style = style
         self.axis_name = axis_name
