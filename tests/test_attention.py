@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import (
+    AttentionMask,
     alltoall_attention,
     attention,
     blockwise_attention,
@@ -82,13 +83,10 @@ def kernel_fn(name: str, causal: bool, masked: bool, block: int = 16):
         kw = dict(zip(("q_pos", "kv_pos", "q_seg", "kv_seg"), masks)) if masked else {}
         if name == "reference":
             return reference_attention(q, k, v, causal=causal, **kw)
-        named = {
-            "q_positions": kw.get("q_pos"), "kv_positions": kw.get("kv_pos"),
-            "q_segment_ids": kw.get("q_seg"), "kv_segment_ids": kw.get("kv_seg"),
-        }  # fmt: skip
+        mask = AttentionMask(causal, kw.get("q_pos"), kw.get("kv_pos"), kw.get("q_seg"), kw.get("kv_seg"))
         if name == "dense":
-            return dense_attention(q, k, v, causal=causal, **named)[0]
-        return blockwise_attention(q, k, v, causal=causal, q_block_size=block, kv_block_size=block, **named)[0]
+            return dense_attention(q, k, v, mask=mask)[0]
+        return blockwise_attention(q, k, v, mask=mask, q_block_size=block, kv_block_size=block)[0]
 
     return fn
 
@@ -145,17 +143,17 @@ def test_blockwise_permuted_positions():
     perm = np.random.default_rng(0).permutation(32)
     pos = jnp.asarray(perm)
     run = jax.jit(functools.partial(blockwise_attention, q_block_size=8, kv_block_size=8))
-    out, _ = run(q[:, perm], k[:, perm], v[:, perm], q_positions=pos, kv_positions=pos)
+    out, _ = run(q[:, perm], k[:, perm], v[:, perm], mask=AttentionMask(True, pos, pos))
     want = reference_attention(q, k, v)[:, perm]
     assert rel_err(out, want) <= FP32_RTOL
 
 
 def test_merge_of_disjoint_key_sets_is_exact():
     q, k, v = qkv(b=1, s=32)
-    full, full_lse = dense_attention(q, k, v, causal=False)
+    full, full_lse = dense_attention(q, k, v, mask=AttentionMask(False))
     # Keys split in two halves; queries see all of them.
-    a = blockwise_attention(q, k[:, :12], v[:, :12], causal=False, q_block_size=8, kv_block_size=8)
-    b = dense_attention(q, k[:, 12:], v[:, 12:], causal=False)
+    a = blockwise_attention(q, k[:, :12], v[:, :12], mask=AttentionMask(False), q_block_size=8, kv_block_size=8)
+    b = dense_attention(q, k[:, 12:], v[:, 12:], mask=AttentionMask(False))
     out, lse = merge_attention(*a, *b)
     assert rel_err(out, full) <= FP32_RTOL
     assert rel_err(lse, full_lse) <= FP32_RTOL
@@ -181,7 +179,7 @@ def test_rows_without_keys_give_zero():
     q_seg = jnp.asarray([0] * 8 + [1] * 8)
     kv_seg = jnp.zeros(16, jnp.int32)
     run = functools.partial(
-        blockwise_attention, causal=False, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_block_size=8, kv_block_size=8
+        blockwise_attention, mask=AttentionMask(False, q_segment_ids=q_seg, kv_segment_ids=kv_seg), q_block_size=8, kv_block_size=8
     )
 
     @jax.jit
@@ -243,9 +241,9 @@ def test_misconfiguration_raises():
     with pytest.raises(es.LayerConfigError, match="implementation"):
         attention(q, k, v, implementation="flash")
     with pytest.raises(es.LayerConfigError, match="q_positions has shape"):
-        blockwise_attention(q, k, v, q_positions=jnp.arange(7))
+        blockwise_attention(q, k, v, mask=AttentionMask(q_positions=jnp.arange(7)))
     with pytest.raises(es.LayerConfigError, match="both q_segment_ids and kv_segment_ids"):
-        dense_attention(q, k, v, q_segment_ids=jnp.zeros(40, jnp.int32))
+        dense_attention(q, k, v, mask=AttentionMask(q_segment_ids=jnp.zeros(40, jnp.int32)))
     with pytest.raises(es.LayerConfigError, match="q_block_size"):
         blockwise_attention(q, k, v, q_block_size=0)
 
@@ -304,8 +302,8 @@ def context_parallel_program(cp: int, heads: int):
     def sharded(layout, impl, causal):
         def local(q, k, v):
             if impl == "ring":
-                return ring_attention(q, k, v, "cp", causal=causal, layout=layout, block_size=4)
-            return alltoall_attention(q, k, v, "cp", causal=causal, layout=layout, block_size=8)
+                return ring_attention(q, k, v, "cp", mask=AttentionMask(causal), layout=layout, block_size=4)
+            return alltoall_attention(q, k, v, "cp", mask=AttentionMask(causal), layout=layout, block_size=8)
 
         fn = jax.shard_map(local, mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC)
         if layout == "contiguous":
@@ -393,7 +391,7 @@ def test_ring_with_packed_segments():
     row = P(None, "cp")
 
     def local(q, k, v, pos, seg):
-        return ring_attention(q, k, v, "cp", q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, block_size=4)
+        return ring_attention(q, k, v, "cp", mask=AttentionMask(True, pos, pos, seg, seg), block_size=4)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(SEQ_SPEC,) * 3 + (row, row), out_specs=SEQ_SPEC)
 

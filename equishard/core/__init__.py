@@ -2,7 +2,9 @@
 
 from ._attention import (
     BLOCKWISE_THRESHOLD as BLOCKWISE_THRESHOLD,
+    CAUSAL as CAUSAL,
     DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE,
+    AttentionMask as AttentionMask,
     alltoall_attention as alltoall_attention,
     attention as attention,
     blockwise_attention as blockwise_attention,

@@ -39,6 +39,7 @@ from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
 from .._names import CONTEXT_IMPLS, RING, ZIGZAG
 from ..core import (
+    AttentionMask,
     alltoall_attention,
     attention as attention_kernel,
     dense_attention,
@@ -633,16 +634,10 @@ class ParallelAttention(eqx.Module):
                 )
             # f32[..., S/cp, H/n, hd] attends over all S tokens of the cp axis.
             split = ring_attention if self.context_impl == RING else alltoall_attention
-            out = split(
-                q, k, v, cp, causal=True, layout=ZIGZAG, q_positions=positions, kv_positions=positions,
-                q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-            )  # fmt: skip
+            out = split(q, k, v, cp, mask=AttentionMask(True, positions, positions, segment_ids, segment_ids), layout=ZIGZAG)
         else:
             # f32[..., T, H/n, hd], f32[..., T, Hkv_local, hd] -> f32[..., T, H/n, hd]
-            out = attention_kernel(
-                q, k, v, causal=True, q_positions=positions, kv_positions=positions,
-                q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-            )  # fmt: skip
+            out = attention_kernel(q, k, v, mask=AttentionMask(True, positions, positions, segment_ids, segment_ids))
         out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
         return checkpoint_name(self.proj(out), OUT_PROJ)
@@ -702,7 +697,7 @@ class ParallelAttention(eqx.Module):
             q, k = _rotate(q, *table), _rotate(k, *table)
         if cache is None:
             # f32[B, S, H/n, hd], f32[B, S, Hkv_local, hd] -> f32[B, S, H/n, hd]
-            out = attention_kernel(q, k, v, causal=True, q_positions=positions, kv_positions=positions)
+            out = attention_kernel(q, k, v, mask=AttentionMask(True, positions, positions))
             kv = (k, v)
         else:
             if slot is None or seen is None:
@@ -711,7 +706,7 @@ class ParallelAttention(eqx.Module):
             # place: XLA fuses an update that is read into each reader, copying the
             # cache for each), merged with the new tokens' causal attention to their own.
             past, past_lse = _attend_cache(q, cache[0], cache[1], seen)
-            own, own_lse = dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
+            own, own_lse = dense_attention(q, k, v, mask=AttentionMask(True, positions, positions))
             out = merge_attention(past, past_lse, own, own_lse)[0]
             # f32[B, S, Hkv, hd] -> f32[B, Hkv, S, hd], written at slots [slot, slot + S)
             # once the cache has been read (`after`: a data dependency, else XLA copies the

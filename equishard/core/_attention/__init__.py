@@ -32,7 +32,9 @@ from ._blockwise import (
 )
 from ._common import (
     BLOCKWISE_THRESHOLD as BLOCKWISE_THRESHOLD,
+    CAUSAL as CAUSAL,
     DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE,
+    AttentionMask as AttentionMask,
 )
 from ._dense import dense_attention as dense_attention
 from ._dispatch import attention as attention, cudnn_supported as cudnn_supported

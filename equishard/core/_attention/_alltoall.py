@@ -8,7 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..._errors import LayerConfigError
 from ..._names import CONTIGUOUS
@@ -17,7 +17,7 @@ from .._collectives import (
     axis_tuple,
     combined_axis_size,
 )
-from ._common import BLOCKWISE_THRESHOLD, DEFAULT_BLOCK_SIZE, _check_shapes
+from ._common import BLOCKWISE_THRESHOLD, CAUSAL, DEFAULT_BLOCK_SIZE, AttentionMask, _check_shapes
 from ._dispatch import attention
 from ._zigzag import _check_layout, context_positions
 
@@ -28,12 +28,8 @@ def alltoall_attention(
     v: Float[Array, "*batch seq kv_heads head_dim"],
     axis_name: AxisName,
     *,
-    causal: bool = True,
+    mask: AttentionMask = CAUSAL,
     layout: str = "contiguous",
-    q_positions: Int[Array, "..."] | None = None,
-    kv_positions: Int[Array, "..."] | None = None,
-    q_segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
     scale: float | None = None,
     implementation: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -56,6 +52,7 @@ def alltoall_attention(
 
     This device's attention output, `q`'s shape and dtype.
     """
+    causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids = mask.fields()
     name = "alltoall_attention"
     _check_layout(name, layout)
     _check_shapes(name, q, k, v)
@@ -83,11 +80,10 @@ def alltoall_attention(
             kv_positions = context_positions(k.shape[-3], axis_name, layout=layout)
     # f32[..., S/cp, H, D] -> f32[..., S, H/cp, D]
     q, k, v = (jax.lax.all_to_all(x, axes, head_axis, seq_axis, tiled=True) for x in (q, k, v))
+    whole = AttentionMask(causal, *(gather(x) for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids)))
     out = attention(
-        q, k, v, causal=causal, scale=scale, implementation=implementation, block_size=block_size,
-        blockwise_threshold=blockwise_threshold, q_positions=gather(q_positions),
-        kv_positions=gather(kv_positions), q_segment_ids=gather(q_segment_ids),
-        kv_segment_ids=gather(kv_segment_ids),
+        q, k, v, mask=whole, scale=scale, implementation=implementation, block_size=block_size,
+        blockwise_threshold=blockwise_threshold,
     )  # fmt: skip
     # f32[..., S, H/cp, D] -> f32[..., S/cp, H, D]
     return jax.lax.all_to_all(out, axes, seq_axis, head_axis, tiled=True)

@@ -14,10 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ._common import (
+    CAUSAL,
     DEFAULT_BLOCK_SIZE,
+    AttentionMask,
     _Canon,
     _canonical,
     _check_block,
@@ -242,11 +244,7 @@ def blockwise_attention(
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
     v: Float[Array, "*batch kv_seq kv_heads head_dim"],
     *,
-    causal: bool = True,
-    q_positions: Int[Array, "..."] | None = None,
-    kv_positions: Int[Array, "..."] | None = None,
-    q_segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
+    mask: AttentionMask = CAUSAL,
     scale: float | None = None,
     q_block_size: int = DEFAULT_BLOCK_SIZE,
     kv_block_size: int = DEFAULT_BLOCK_SIZE,
@@ -273,6 +271,7 @@ def blockwise_attention(
     `(out, lse)` as `dense_attention`: two partial results over disjoint key sets merge
     exactly with `merge_attention`.
     """
+    causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids = mask.fields()
     name = "blockwise_attention"
     _check_block(name, "q_block_size", q_block_size)
     _check_block(name, "kv_block_size", kv_block_size)

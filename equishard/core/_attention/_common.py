@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, Int
 
 from ..._axes import cast_varying
 from ..._errors import LayerConfigError
@@ -32,6 +33,35 @@ DEFAULT_BLOCK_SIZE = 512
 """The default query and key/value block size of the blockwise kernel."""
 
 _IMPLEMENTATIONS = (None, "dense", "blockwise", "cudnn")
+
+
+class AttentionMask(eqx.Module):
+    """Which keys each query sees: what every attention kernel takes beside `q`, `k`, `v`.
+
+    **Fields:**
+
+    - `causal`: mask keys whose position is after the query's (default `True`).
+    - `q_positions`, `kv_positions`: integer positions, `[Sq]` / `[Sk]` or with the
+      leading dimensions of `q`; default `0, 1, 2, ...` (the context-parallel kernels:
+      this device's global positions, by their `layout`). The causal mask is
+      `kv_position <= q_position`, so permuted or packed sequences mask correctly.
+    - `q_segment_ids`, `kv_segment_ids`: integer segment ids of packed sequences (a
+      query sees only keys of its own segment); both or neither.
+    """
+
+    causal: bool = eqx.field(static=True, default=True)
+    q_positions: Int[Array, "..."] | None = None
+    kv_positions: Int[Array, "..."] | None = None
+    q_segment_ids: Int[Array, "..."] | None = None
+    kv_segment_ids: Int[Array, "..."] | None = None
+
+    def fields(self) -> tuple[bool, Array | None, Array | None, Array | None, Array | None]:
+        """`(causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids)`."""
+        return self.causal, self.q_positions, self.kv_positions, self.q_segment_ids, self.kv_segment_ids
+
+
+CAUSAL = AttentionMask()
+"""The default mask: causal, positions `0, 1, 2, ...`, one segment."""
 
 
 # ---------------------------------------------------------------------------

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from ._common import _Canon, _canonical, _from_canonical, _mask, _scale
+from ._common import CAUSAL, AttentionMask, _Canon, _canonical, _from_canonical, _mask, _scale
 
 
 def _select(pred: Array, x: Array, fill: float) -> Array:
@@ -45,11 +45,7 @@ def dense_attention(
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
     v: Float[Array, "*batch kv_seq kv_heads head_dim"],
     *,
-    causal: bool = True,
-    q_positions: Int[Array, "..."] | None = None,
-    kv_positions: Int[Array, "..."] | None = None,
-    q_segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
+    mask: AttentionMask = CAUSAL,
     scale: float | None = None,
 ) -> tuple[Float[Array, "*batch q_seq heads head_dim"], Float[Array, "*batch q_seq heads"]]:
     """Softmax attention with the whole `[Sq, Sk]` score matrix in memory.
@@ -61,11 +57,8 @@ def dense_attention(
 
     - `q`: `[..., Sq, n_heads, head_dim]`.
     - `k`, `v`: `[..., Sk, n_kv_heads, head_dim]`, `n_kv_heads` dividing `n_heads`.
-    - `causal`: mask keys whose position is after the query's.
-    - `q_positions`, `kv_positions`: integer positions, `[Sq]` / `[Sk]` or with the
-      leading dimensions of `q`; default `0, 1, 2, ...`.
-    - `q_segment_ids`, `kv_segment_ids`: integer segment ids of packed sequences (a
-      query sees only keys of its own segment); both or neither.
+    - `mask`: which keys each query sees (`AttentionMask`: causal or not, positions,
+      segment ids of packed sequences); default causal.
     - `scale`: the score scale, default `1 / sqrt(head_dim)`.
 
     **Returns:**
@@ -74,6 +67,7 @@ def dense_attention(
     log-sum-exp of each query row's scores (`-inf` for a row that sees no key, whose
     output is zero).
     """
+    causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids = mask.fields()
     c = _canonical("dense_attention", q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     out, stats = _dense(c, causal, _scale(scale, q.shape[-1]))
     return _from_canonical(out, _dense_lse(*stats), q)

@@ -8,14 +8,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..._errors import LayerConfigError
 from ._blockwise import blockwise_attention
 from ._common import (
     _IMPLEMENTATIONS,
     BLOCKWISE_THRESHOLD,
+    CAUSAL,
     DEFAULT_BLOCK_SIZE,
+    AttentionMask,
     _canonical,
     _check_shapes,
     _out_from_canonical,
@@ -34,7 +36,7 @@ def cudnn_supported(q: Array, k: Array, *, causal: bool, positions: bool) -> boo
     **Arguments:**
 
     - `q`, `k`: the query and key arrays.
-    - `causal`: whether the mask is causal.
+    - `mask`: which keys each query sees (see `dense_attention`).
     - `positions`: whether explicit positions or segment ids are given.
 
     **Returns:**
@@ -56,11 +58,7 @@ def attention(
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
     v: Float[Array, "*batch kv_seq kv_heads head_dim"],
     *,
-    causal: bool = True,
-    q_positions: Int[Array, "..."] | None = None,
-    kv_positions: Int[Array, "..."] | None = None,
-    q_segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
+    mask: AttentionMask = CAUSAL,
     scale: float | None = None,
     implementation: str | None = None,
     blockwise_threshold: int = BLOCKWISE_THRESHOLD,
@@ -86,6 +84,7 @@ def attention(
 
     The attention output, `q`'s shape and dtype.
     """
+    causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids = mask.fields()
     if implementation not in _IMPLEMENTATIONS:
         raise LayerConfigError(
             f"attention: implementation={implementation!r}; expected one of {_IMPLEMENTATIONS}."
@@ -117,6 +116,4 @@ def attention(
         # The output alone: the log-sum-exp is not traced.
         c = _canonical("dense_attention", q, k, v, *masks.values())
         return _out_from_canonical(_dense(c, causal, _scale(scale, q.shape[-1]))[0], q)
-    return blockwise_attention(
-        q, k, v, causal=causal, scale=scale, q_block_size=block_size, kv_block_size=block_size, **masks
-    )[0]
+    return blockwise_attention(q, k, v, mask=mask, scale=scale, q_block_size=block_size, kv_block_size=block_size)[0]

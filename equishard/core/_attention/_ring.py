@@ -21,7 +21,9 @@ from .._collectives import (
 )
 from ._blockwise import _delta, _flash_backward, _flash_forward, _padded
 from ._common import (
+    CAUSAL,
     DEFAULT_BLOCK_SIZE,
+    AttentionMask,
     _Canon,
     _canonical,
     _check_block,
@@ -149,12 +151,8 @@ def ring_attention(
     v: Float[Array, "*batch seq kv_heads head_dim"],
     axis_name: AxisName,
     *,
-    causal: bool = True,
+    mask: AttentionMask = CAUSAL,
     layout: str = "contiguous",
-    q_positions: Int[Array, "..."] | None = None,
-    kv_positions: Int[Array, "..."] | None = None,
-    q_segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
     scale: float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Float[Array, "*batch seq heads head_dim"]:
@@ -175,13 +173,12 @@ def ring_attention(
     - `q`: this device's `[..., S/cp, n_heads, head_dim]`.
     - `k`, `v`: this device's `[..., S/cp, n_kv_heads, head_dim]`.
     - `axis_name`: the context-parallel mesh axis (or a tuple of axes).
-    - `causal`: mask keys whose position is after the query's.
+    - `mask`: which keys each query sees (`AttentionMask`), its positions and segment
+      ids this device's (positions default to `context_positions(S/cp, axis_name,
+      layout=layout)`, global).
     - `layout`: how the sequence is split, when positions are not given:
       `"contiguous"` (device `i` holds the `i`-th slice) or `"zigzag"` (the tokens
       were ordered by `zigzag_permute`).
-    - `q_positions`, `kv_positions`: this device's global positions (default
-      `context_positions(S/cp, axis_name, layout=layout)`).
-    - `q_segment_ids`, `kv_segment_ids`: this device's segment ids of packed sequences.
     - `scale`: the score scale, default `1 / sqrt(head_dim)`.
     - `block_size`: the kernel's block size (capped at one zigzag chunk).
 
@@ -189,6 +186,7 @@ def ring_attention(
 
     This device's attention output, `q`'s shape and dtype.
     """
+    causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids = mask.fields()
     name = "ring_attention"
     _check_block(name, "block_size", block_size)
     c = _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
@@ -209,12 +207,8 @@ def ring_attention_block_pairs(
     v: Float[Array, "*batch seq kv_heads head_dim"],
     axis_name: AxisName,
     *,
-    causal: bool = True,
+    mask: AttentionMask = CAUSAL,
     layout: str = "contiguous",
-    q_positions: Int[Array, "..."] | None = None,
-    kv_positions: Int[Array, "..."] | None = None,
-    q_segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Int[Array, ""]:
     """How many (query block, key/value block) pairs `ring_attention`'s forward pass computes here.
@@ -231,6 +225,7 @@ def ring_attention_block_pairs(
 
     An int32 scalar, this device's count.
     """
+    causal, q_positions, kv_positions, q_segment_ids, kv_segment_ids = mask.fields()
     name = "ring_attention_block_pairs"
     c = _context_canonical(name, q, k, v, axis_name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, layout)
     bs = _ring_blocks(c.q.shape[1], block_size, layout)
