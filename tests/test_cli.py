@@ -166,7 +166,7 @@ def _error(capsys) -> str:
 @pytest.mark.parametrize(
     "layout,message",
     [
-        ("dp=2,xp=4", "unknown axis 'xp'"),
+        ("dp=2,xp=4", "the axis 'xp' has no role"),
         ("dp=16", "needs 16 devices but only 8 exist"),
         ("tp=8", "n_heads=4 is not divisible by the tensor-parallel axis 'tp' of size 8"),
     ],

@@ -13,7 +13,8 @@ import pytest
 import equishard as es
 from equishard._app import Run, TrainConfig
 from equishard._app._config import CONFIG_FILE, config_toml
-from equishard._app._hf import HF_SOURCE, export_run, init_from_hf, run_model_config
+from equishard._app._export import export_run
+from equishard._app._hf import HF_SOURCE, init_from_hf, run_model_config
 from equishard._app._rundir import LOCK
 from equishard.models import GPT, load_hf, read_hf_config
 from equishard.models._internal import canonical_path, to_single_device

@@ -164,7 +164,7 @@ def test_a_run_directory_written_before_the_sections_is_read_as_before():
     new = load_config_text(config_toml(TrainConfig(**OLD_VALUES)))
     assert {k: new[k] for k in saved} == saved
     # Options added since: at their defaults, which an old run had.
-    assert {k: v for k, v in new.items() if k not in saved} == {"axis_roles": ""}
+    assert {k: v for k, v in new.items() if k not in saved} == {"axis_roles": "", "document_masking": True}
 
 
 def test_resume_classes_decide_what_a_resume_reports():

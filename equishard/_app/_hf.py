@@ -14,7 +14,6 @@ import os
 import pathlib
 import shutil
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,14 +24,11 @@ from ..models import (
     GPT,
     GPTConfig,
     copy_tokenizer,
-    export_hf,
     gpt_config_from_hf,
     load_hf,
     read_hf_config,
 )
-from ..models._internal import canonical_path
 from ..sharding import ResolvedLayout
-from ._config import CONFIG_FILE, TrainConfig, load_config
 from ._rundir import LOCK, _alive, _holder
 
 HF_SOURCE = "hf-source"
@@ -127,7 +123,7 @@ def run_model_config(run_dir: str | os.PathLike[str], *, vocab_multiple: int = 1
     return gpt_config_from_hf(read_hf_config(os.fspath(source)), vocab_multiple=vocab_multiple)
 
 
-def _refuse_live(run_dir: pathlib.Path) -> None:
+def refuse_live(run_dir: pathlib.Path) -> None:
     """Refuse a run directory whose run is alive on this host: opening its checkpoints
     would tidy away the temporary folders of the saves it is writing."""
     holder = _holder(run_dir / LOCK)
@@ -137,52 +133,3 @@ def _refuse_live(run_dir: pathlib.Path) -> None:
             f"{run_dir} is locked by a live run (pid {pid} on host {holder.get('host')}): export its "
             f"checkpoint once it has ended."
         )
-
-
-def export_run(
-    run_dir: str | os.PathLike[str], to: str | os.PathLike[str], *, step: int | None = None,
-    dtype: Any = None, max_shard_bytes: int = 5 * 2**30, make_run: Callable[[TrainConfig], Any] | None = None,
-) -> str:  # fmt: skip
-    """`equishard export --run-dir RUN --to DIR`: a run's checkpoint as a Hugging Face folder.
-
-    **Arguments:**
-
-    - `run_dir`: the run directory (its `config.toml` and checkpoints).
-    - `to`: the target folder (must not exist, or be empty).
-    - `step`: the checkpoint step (default: the latest; every array is verified against
-      its checksum, and a damaged step is refused naming the newest intact one).
-    - `dtype`: the tensors' dtype (default: the source checkpoint's, else float32).
-    - `max_shard_bytes`: the size limit of one safetensors file.
-    - `make_run`: builds the run's pieces from its options (default `Run`; its
-      `state_template()` and `mesh` are read).
-
-    **Returns:**
-
-    `to`.
-
-    **Raises:**
-
-    `CheckpointError` for a run without a `config.toml` or checkpoint, a live run, a
-    damaged step, a target that is not empty or an MoE model.
-    """
-    from ..train import Checkpointer  # orbax, the `train` extra
-    from ._run import Run
-
-    run_dir = pathlib.Path(run_dir)
-    to = os.fspath(to)
-    if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
-        raise CheckpointError(f"export: the target {to} exists and is not empty; choose a new folder.")
-    if not (run_dir / CONFIG_FILE).exists():
-        raise CheckpointError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}.")
-    _refuse_live(run_dir)
-    config = TrainConfig(**load_config(run_dir / CONFIG_FILE))
-    r = (make_run or Run)(config)
-    checkpoint_dir = pathlib.Path(config.checkpoint_dir or run_dir / "checkpoints")
-    with Checkpointer(checkpoint_dir, path_map=canonical_path, checksums=config.verify_checkpoints) as ckpt:
-        state = ckpt.restore(r.state_template(), step=step, mesh=r.mesh)
-    source = run_dir / HF_SOURCE
-    hf = read_hf_config(os.fspath(source)) if (source / "config.json").exists() else None
-    return export_hf(
-        state.model, to, hf_config=hf, dtype=dtype, max_shard_bytes=max_shard_bytes,
-        tokenizer_from=os.fspath(source) if source.is_dir() else None,
-    )  # fmt: skip

@@ -18,11 +18,11 @@ from ._config import (
     load_config as load_config,
 )
 from ._data import stdlib_files as stdlib_files
+from ._export import export_run as export_run
 from ._generate import (
     evaluate_run as evaluate_run,
     generate_from_hf as generate_from_hf,
     generate_from_run as generate_from_run,
 )
-from ._hf import export_run as export_run
 from ._options import add_options as add_options, from_args as from_args
 from ._tokenize import tokenize as tokenize
