@@ -56,15 +56,11 @@ class CNN(eqx.Module):
         return self.head(h.mean(axis=(1, 2))), state
 
 
-def cnn_loss(data_axes):
-    def loss_fn(model, state, batch, key):  # the stateful form
-        images, labels = batch
-        forward = jax.vmap(model, in_axes=(0, None), out_axes=(0, None), axis_name="batch")
-        logits, state = forward(images, state)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        return jax.lax.pmean(loss, data_axes), ({}, state)
-
-    return loss_fn
+def cnn_loss(model, state, batch, key):  # the stateful form, written as on one device
+    images, labels = batch
+    forward = jax.vmap(model, in_axes=(0, None), out_axes=(0, None), axis_name="batch")
+    logits, state = forward(images, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), ({}, state)
 # --8<-- [end:cnn-model]
 
 
@@ -85,7 +81,7 @@ def train_cnn(layout, grad_accum=1, batch_stats="global"):
         return model, state
 
     state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(cnn_loss(data), optimizer, mesh=mesh, batch_spec=P(data),
+    step = make_train_step(cnn_loss, optimizer, mesh=mesh, batch_spec=P(data),
                            grad_accum=grad_accum, batch_stats=batch_stats)  # fmt: skip
     losses = []
     for batch in images:
@@ -188,14 +184,10 @@ class ViT(eqx.Module):
         return self.head(self.norm(x[0]))
 
 
-def vit_loss(data_axes):
-    def loss_fn(model, batch, key, *, index):
-        images, labels = batch
-        logits = jax.vmap(model)(images, key=example_keys(key, index))
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        return jax.lax.pmean(loss, data_axes), {}
-
-    return loss_fn
+def vit_loss(model, batch, key, *, index):  # as on one device: the step averages it
+    images, labels = batch
+    logits = jax.vmap(model)(images, key=example_keys(key, index))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
 # --8<-- [end:vit-model]
 
 
@@ -217,7 +209,7 @@ def train_vit(layout, plan=None):
         return model if plan is None else es.parallelize(model, plan, mesh)
 
     state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(vit_loss(data), optimizer, mesh=mesh, batch_spec=P(data))
+    step = make_train_step(vit_loss, optimizer, mesh=mesh, batch_spec=P(data))
     losses = []
     for batch in pictures:
         state, metrics = step(state, batch)
