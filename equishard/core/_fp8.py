@@ -2,7 +2,7 @@
 delayed-scaling state, and `x @ w.T` with fp8 operands (e4m3 forward, e5m2 gradients).
 
 Convention (torchao's): a scale multiplies. `quantize(x, s) = fp8(clip(x · s, ±max))`,
-`dequantize(q, s) = q / s`, and `fp8_scale(amax) = max / (amax · 2^margin)` maps the
+`dequantize(q, s) = q · (1 / s)`, and `fp8_scale(amax) = max / (amax · 2^margin)` maps the
 largest magnitude to the format's largest finite value. Scales are `float32` scalars.
 """
 
@@ -82,7 +82,7 @@ def fp8_scale(amax: Float[Array, ""] | float, dtype: Any, margin: int = 0) -> Fl
     return jnp.where(usable, scale, jnp.float32(1.0))
 
 
-def quantize(x: Float[Array, "*shape"], scale: Float[Array, ""], dtype: Any) -> Array:
+def quantize(x: Float[Array, "*shape"], scale: Float[Array, ""] | float, dtype: Any) -> Array:
     """`x · scale` saturated to `±max` of `dtype` and cast to it (round to nearest even).
 
     The product is formed in `float32`. NaN stays NaN; infinities saturate.
@@ -106,9 +106,10 @@ def quantize(x: Float[Array, "*shape"], scale: Float[Array, ""], dtype: Any) -> 
     return jnp.clip(scaled, -top, top).astype(_format(dtype))
 
 
-def dequantize(q: Array, scale: Float[Array, ""], out_dtype: Any) -> Array:
-    """`q / scale` in `float32`, cast to `out_dtype`: the inverse of `quantize` up to its
-    rounding.
+def dequantize(q: Array, scale: Float[Array, ""] | float, out_dtype: Any) -> Array:
+    """`q · (1 / scale)` in `float32`, cast to `out_dtype`: the inverse of `quantize` up
+    to its rounding. (A multiplication by the reciprocal, as XLA:CPU computes a division
+    by a scalar, so that every backend rounds alike.)
 
     **Arguments:**
 
@@ -120,7 +121,12 @@ def dequantize(q: Array, scale: Float[Array, ""], out_dtype: Any) -> Array:
 
     An array of `q`'s shape in `out_dtype`.
     """
-    return (q.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)).astype(out_dtype)
+    return (q.astype(jnp.float32) * _reciprocal(scale)).astype(out_dtype)
+
+
+def _reciprocal(scale: Array | float) -> Array:
+    """`1 / scale` as a float32 scalar."""
+    return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
 
 
 def _amax(x: Array) -> Float[Array, ""]:
@@ -163,7 +169,7 @@ def fp8_meta(dtype: Any = E4M3, history: int = 16, margin: int = 0) -> Fp8Meta:
     return Fp8Meta(zeros, jnp.ones((), jnp.float32), fmt.type, margin)
 
 
-def fp8_meta_update(meta: Fp8Meta, new_amax: Float[Array, ""]) -> Fp8Meta:
+def fp8_meta_update(meta: Fp8Meta, new_amax: Float[Array, ""] | float) -> Fp8Meta:
     """`meta` after one more observation: `new_amax` pushed to the front of the history
     (the oldest entry dropped) and the scale recomputed from the history's maximum.
 
@@ -211,9 +217,9 @@ def fp8_matmul_meta(history: int = 16, margin: int = 0) -> Fp8MatmulMeta:
 
 
 def _scaled_dot(a: Array, b: Array, dims: Any, sa: Array, sb: Array, out_dtype: Any) -> Array:
-    """`dot_general(a, b, dims)` accumulated in float32, divided by both scales, cast."""
+    """`dot_general(a, b, dims)` accumulated in float32, times both scales' reciprocals, cast."""
     acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-    return (acc / sa / sb).astype(out_dtype)
+    return (acc * _reciprocal(sa) * _reciprocal(sb)).astype(out_dtype)
 
 
 def _forward(x: Array, w: Array, sx: Array, sw: Array) -> tuple[Array, Array, Array]:
@@ -280,8 +286,8 @@ _delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 def fp8_matmul(
-    x: Float[Array, "*batch in"],
-    w: Float[Array, "out in"],
+    x: Float[Array, "*batch xk"],
+    w: Float[Array, "out wk"],
     meta: Fp8MatmulMeta | None = None,
 ) -> Float[Array, "*batch out"]:
     """`x @ w.T` for a weight stored `[out, in]`, with fp8 operands: the forward's in
