@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import (
@@ -26,6 +27,8 @@ from equishard.core import (
     fp8_scale,
     quantize,
 )
+
+from .helpers import FP32_RTOL, assert_tree_allclose
 
 F32 = np.float32
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -282,3 +285,47 @@ def test_lowered_dots_take_fp8_operands(operands, delayed):
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
     dots = sorted(m.groups() for m in _DOT.finditer(text))
     assert dots == [("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN")]
+
+
+# ---------------------------------------------------------------------------
+# Inside shard_map: the one-device result on every layout
+
+# name -> (layout, x spec, w spec, y spec, contraction split over "tp")
+LAYOUTS = {
+    "data8": ("dp=8", P("dp"), P(), P("dp"), False),
+    "column4x2": ("dp=4,tp=2", P("dp"), P("tp"), P("dp", None, "tp"), False),
+    "row2x4": ("dp=2,tp=4", P("dp", None, "tp"), P(None, "tp"), P("dp"), True),
+}
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sharded_equals_one_device(name, delayed):
+    """Global amaxes (`pmax` over the axes an operand varies along) make the scales the
+    one-device ones: value, gradients and new delayed state within fp32 tolerance."""
+    layout, x_spec, w_spec, y_spec, row = LAYOUTS[name]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((8, 2, 16)).astype(F32)  # global; local [8/dp, 2, 16 or 16/tp]
+    w = (rng.standard_normal((8, 16)) * 0.1).astype(F32)  # global [out, in]
+    c = rng.standard_normal((8, 2, 8)).astype(F32)
+    meta = fp8_matmul_meta(history=2)
+    meta = es.core.Fp8MatmulMeta(
+        fp8_meta_update(meta.x, 2.0), meta.w, fp8_meta_update(meta.grad, 5.0)
+    )
+    meta = meta if delayed else None
+
+    def local(x, w, meta):
+        y = fp8_matmul(x, w, meta)  # [B/dp, S, out or out/tp]
+        return jax.lax.psum(y, "tp") if row else y
+
+    mesh = es.make_mesh(layout)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, P()), out_specs=y_spec)
+
+    def vjp(fn):
+        def run(x, w, meta):
+            y, pull = jax.vjp(fn, x, w, meta)
+            return y, *pull(c)
+
+        return jax.jit(run)
+
+    assert_tree_allclose(vjp(sharded)(x, w, meta), vjp(fp8_matmul)(x, w, meta), rtol=FP32_RTOL)

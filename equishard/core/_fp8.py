@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._axes import cast_varying, mesh_ordered, varying_axes
 from .._errors import LayerConfigError
 
 E4M3 = jnp.float8_e4m3fn
@@ -130,8 +131,12 @@ def _reciprocal(scale: Array | float) -> Array:
 
 
 def _amax(x: Array) -> Float[Array, ""]:
-    """The largest magnitude of `x` (this device's block of it), as a `float32` scalar."""
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    """The largest magnitude of the whole of `x`, as a `float32` scalar: this block's,
+    `pmax`-ed over the mesh axes `x` varies along (none outside `shard_map` or without
+    the varying-axes check). Invariant along every axis."""
+    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    axes = mesh_ordered(varying_axes(x))
+    return jax.lax.pmax(local, axes) if axes else local
 
 
 class Fp8Meta(eqx.Module):
@@ -252,8 +257,9 @@ def _current_fwd(x: Array, w: Array) -> tuple[Array, Any]:
     return y, (qx, sx, qw, sw, jnp.zeros((0,), w.dtype))
 
 
-def _current_bwd(res: Any, g: Array) -> tuple[Array, Array]:
+def _current_bwd(res: Any, g: Any) -> tuple[Array, Array]:
     qx, sx, qw, sw, w_like = res
+    g = jnp.asarray(g)  # a cotangent may come as a NumPy array
     return _backward(g, fp8_scale(_amax(g), E5M2), qx, sx, qw, sw, w_like.dtype)
 
 
@@ -271,15 +277,17 @@ def _delayed_fwd(x: Array, w: Array, meta: Fp8MatmulMeta) -> tuple[Array, Any]:
     return y, (qx, sx, qw, sw, jnp.zeros((0,), w.dtype), meta, _amax(x), _amax(w))
 
 
-def _delayed_bwd(res: Any, g: Array) -> tuple[Array, Array, Fp8MatmulMeta]:
+def _delayed_bwd(res: Any, g: Any) -> tuple[Array, Array, Fp8MatmulMeta]:
     qx, sx, qw, sw, w_like, meta, amax_x, amax_w = res
+    g = jnp.asarray(g)  # a cotangent may come as a NumPy array
     dx, dw = _backward(g, meta.grad.scale, qx, sx, qw, sw, w_like.dtype)
     new = Fp8MatmulMeta(
         fp8_meta_update(meta.x, amax_x),
         fp8_meta_update(meta.w, amax_w),
         fp8_meta_update(meta.grad, _amax(g)),
     )
-    return dx, dw, new
+    # the new state is invariant (global amaxes); typed as the state came in
+    return dx, dw, jax.tree.map(lambda n, o: cast_varying(n, varying_axes(o)), new, meta)
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
@@ -294,7 +302,11 @@ def fp8_matmul(
     `float8_e4m3fn`, the output cotangent of both gradient products in `float8_e5m2`;
     every product accumulated in `float32` and divided by its operands' scales.
 
-    Scaling is per tensor (this device's block of it, inside `shard_map`):
+    Scaling is per tensor, over the whole tensor: inside a `shard_map` with the
+    varying-axes check each amax is `pmax`-ed over the mesh axes the tensor varies along
+    (one scalar all-reduce per tensor), so the scales, and the result, are the one-device
+    ones whatever the layout (a split contraction gives partial sums, as a plain product
+    does). Without the check, each device scales its own block.
 
     - current (`meta=None`): each operand's scale is `fp8_scale` of its own amax, computed
       where it is quantized (the cotangent's in the backward pass);
@@ -329,6 +341,10 @@ def fp8_matmul(
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating) or np.dtype(a.dtype) in _FORMATS:
             raise LayerConfigError(f"fp8_matmul: {name} is {a.dtype}; expected bf16, f16 or f32.")
+    # Inside shard_map with the varying-axes check: both operands typed varying along the
+    # union of their axes outside the custom_vjp, so that the transpose of the cast sums
+    # the gradient of an operand replicated where the other is split.
+    x, w = cast_varying((x, w), varying_axes(x) | varying_axes(w))
     if meta is None:
         return _current(x, w)
     return _delayed(x, w, meta)
