@@ -145,6 +145,12 @@ def test_delayed_scaling_history_and_scale_by_hand():
         meta = update(meta, jnp.float32(amax))
         np.testing.assert_array_equal(np.asarray(meta.amax_history), history)
         assert meta.scale == scale and meta.dtype == E4M3 and meta.margin == 1
+    # a non-finite amax keeps the scale while it is in the history
+    for amax, history in [(np.inf, [np.inf, 0.25, 0.5]), (0.125, [0.125, np.inf, 0.25])]:
+        meta = update(meta, jnp.float32(amax))
+        np.testing.assert_array_equal(np.asarray(meta.amax_history), history)
+        assert meta.scale == 224.0
+    assert update(fp8_meta(E5M2, history=2), 0.0).scale == 1.0  # zero: the scale kept
 
 
 # ---------------------------------------------------------------------------

@@ -176,7 +176,10 @@ def fp8_meta(dtype: Any = E4M3, history: int = 16, margin: int = 0) -> Fp8Meta:
 
 def fp8_meta_update(meta: Fp8Meta, new_amax: Float[Array, ""] | float) -> Fp8Meta:
     """`meta` after one more observation: `new_amax` pushed to the front of the history
-    (the oldest entry dropped) and the scale recomputed from the history's maximum.
+    (the oldest entry dropped) and the scale recomputed from the history's maximum
+    (`fp8_scale(max(history), dtype, margin)`). Where that maximum is zero or not finite
+    (a non-finite step stays in the history for `H` updates) the scale is kept, as
+    Transformer Engine's and Flax's recipes do.
 
     **Arguments:**
 
@@ -189,7 +192,9 @@ def fp8_meta_update(meta: Fp8Meta, new_amax: Float[Array, ""] | float) -> Fp8Met
     """
     # f32[H]: [new, h0, ..., h_{H-2}]
     history = jnp.roll(meta.amax_history, 1).at[0].set(jnp.asarray(new_amax, jnp.float32))
-    scale = fp8_scale(jnp.max(history), meta.dtype, meta.margin)
+    top = jnp.max(history)
+    usable = jnp.isfinite(top) & (top > 0)
+    scale = jnp.where(usable, fp8_scale(top, meta.dtype, meta.margin), meta.scale)
     return Fp8Meta(history, scale, meta.dtype, meta.margin)
 
 
@@ -315,6 +320,9 @@ def fp8_matmul(
       respect to `meta` is not a gradient**: it is the updated `Fp8MatmulMeta`
       (`fp8_meta_update` of each state with this step's amax). Replace the state with
       it; never hand it to an optimizer. A value outside `±max / scale` saturates.
+      Use each state in one `fp8_matmul` call per differentiated function: autodiff
+      adds the cotangents of a value used twice (two new states summed), and a product
+      that does not reach the loss gives zeros, not the old state.
 
     The forward saves the quantized operands (fp8) for the backward pass, not `x` and `w`.
 
