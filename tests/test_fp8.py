@@ -275,6 +275,9 @@ def test_misconfigured_matmul_raises():
         fp8_matmul(jnp.ones((4, 16)), jnp.ones((8, 12)))
     with pytest.raises(es.LayerConfigError, match="float8_e4m3fn"):
         fp8_matmul(jnp.ones((4, 16), E4M3), jnp.ones((8, 16)))
+    meta, w = fp8_matmul_meta(), jnp.ones((8, 16))
+    with pytest.raises(es.LayerConfigError, match=r"vmap.*x\(16,\)"):
+        jax.vmap(lambda x: fp8_matmul(x, w, meta))(jnp.ones((4, 16)))
 
 
 _DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)")

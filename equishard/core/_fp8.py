@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._axes import cast_varying, mesh_ordered, varying_axes
+from .._axes import cast_varying, mesh_ordered, varying_axes, vmap_names
 from .._errors import LayerConfigError
 
 E4M3 = jnp.float8_e4m3fn
@@ -305,13 +305,16 @@ def fp8_matmul(
 ) -> Float[Array, "*batch out"]:
     """`x @ w.T` for a weight stored `[out, in]`, with fp8 operands: the forward's in
     `float8_e4m3fn`, the output cotangent of both gradient products in `float8_e5m2`;
-    every product accumulated in `float32` and divided by its operands' scales.
+    every product accumulated in `float32` and multiplied by the reciprocals of its
+    operands' scales.
 
     Scaling is per tensor, over the whole tensor: inside a `shard_map` with the
     varying-axes check each amax is `pmax`-ed over the mesh axes the tensor varies along
     (one scalar all-reduce per tensor), so the scales, and the result, are the one-device
     ones whatever the layout (a split contraction gives partial sums, as a plain product
-    does). Without the check, each device scales its own block.
+    does). Without the check, each device scales its own block. Under `jax.vmap` the
+    amax is per example (current scaling: a scale per example); delayed scaling refuses
+    a `vmap`: call it on the whole batch.
 
     - current (`meta=None`): each operand's scale is `fp8_scale` of its own amax, computed
       where it is quantized (the cotangent's in the backward pass);
@@ -338,8 +341,8 @@ def fp8_matmul(
 
     **Raises:**
 
-    `LayerConfigError` if `w` is not two-dimensional, the `in` dimensions differ, or an
-    operand is not floating.
+    `LayerConfigError` if `w` is not two-dimensional, the `in` dimensions differ, an
+    operand is not floating, or `meta` is given under `jax.vmap`.
     """
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise LayerConfigError(
@@ -349,6 +352,12 @@ def fp8_matmul(
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating) or np.dtype(a.dtype) in _FORMATS:
             raise LayerConfigError(f"fp8_matmul: {name} is {a.dtype}; expected bf16, f16 or f32.")
+    if meta is not None and any(vmap_names(a) for a in (x, w, *jax.tree.leaves(meta))):
+        raise LayerConfigError(
+            "fp8_matmul with delayed scaling under jax.vmap: each example's new state would "
+            "be summed into the state's 'gradient'. Call it on the whole batch (x: "
+            f"[..., in], here x{tuple(x.shape)} per example), outside the vmap."
+        )
     # Inside shard_map with the varying-axes check: both operands typed varying along the
     # union of their axes outside the custom_vjp, so that the transpose of the cast sums
     # the gradient of an operand replicated where the other is split.
