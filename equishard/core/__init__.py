@@ -41,6 +41,20 @@ from ._executor import (
     execute_schedule as execute_schedule,
     schedule_weights as schedule_weights,
 )
+from ._fp8 import (
+    E4M3 as E4M3,
+    E5M2 as E5M2,
+    Fp8MatmulMeta as Fp8MatmulMeta,
+    Fp8Meta as Fp8Meta,
+    dequantize as dequantize,
+    fp8_matmul as fp8_matmul,
+    fp8_matmul_meta as fp8_matmul_meta,
+    fp8_max as fp8_max,
+    fp8_meta as fp8_meta,
+    fp8_meta_update as fp8_meta_update,
+    fp8_scale as fp8_scale,
+    quantize as quantize,
+)
 from ._fused_ce import (
     CHUNK_ELEMENTS as CHUNK_ELEMENTS,
     CrossEntropySums as CrossEntropySums,
