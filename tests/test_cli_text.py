@@ -67,6 +67,8 @@ def test_generate_names_a_bad_option(run_dir, capsys, argv, message):
 def test_generate_and_eval_refuse_a_directory_without_a_verified_checkpoint(tmp_path, capsys):
     assert main(["eval", "--run-dir", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+    assert main(["generate", "--run-dir", str(tmp_path), "--prompt", "a"]) == 2
+    assert "not a run directory" in capsys.readouterr().err
 
 
 def test_export_writes_a_hugging_face_folder_and_refuses_a_full_target(run_dir, tmp_path, capsys):
