@@ -401,3 +401,40 @@ def test_spectral_norm_trains_as_on_one_device():
     ref_state, reference = _spectral_losses("dp=1")
     _assert_curve(losses, reference)
     assert_tree_allclose(state.model_state, ref_state.model_state)
+
+
+class _Tally(eqx.Module):
+    """A layer whose state is the mean of the inputs it last saw."""
+
+    w: jax.Array
+    seen: eqx.nn.StateIndex
+
+    def __init__(self):
+        self.w = jnp.ones(())
+        self.seen = eqx.nn.StateIndex(jnp.zeros(()))
+
+    def __call__(self, x, state):
+        return self.w * x, state.set(self.seen, jnp.mean(x))
+
+
+def test_a_state_that_differs_across_the_data_axes_is_reported():
+    """A stateful loss that records this device's batch mean (not the global one): the
+    step keeps the first device's copy and says so, `state_diverged` 1; recording the
+    global mean (pmean over the data axes) reports 0."""
+    mesh = es.make_mesh("dp=8")
+    x = jnp.arange(16.0)
+
+    def loss(local):
+        def loss_fn(model, state, batch, key):
+            y, state = model(batch, state)
+            if not local:
+                state = jax.tree.map(lambda s: jax.lax.pmean(s, "dp"), state)
+            return jnp.mean(y**2), ({}, state)
+
+        return loss_fn
+
+    for local, expected in ((True, 1), (False, 0)):
+        step = make_train_step(loss(local), optax.sgd(1e-3), mesh=mesh, batch_spec=P("dp"), donate=False)
+        state = step.init_state(lambda k: eqx.nn.make_with_state(_Tally)(), jax.random.key(0))
+        _, metrics = step(state, x)
+        assert int(metrics["state_diverged"]) == expected

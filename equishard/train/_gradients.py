@@ -26,7 +26,7 @@ from .._errors import ConventionError
 from ..core._internal import split_microbatches
 from ..sharding import is_sharded, shard, specs_of
 from ..sharding._internal import is_spec, spec_axes
-from ._loss import LossAdapter
+from ._loss import STATE_DIVERGED, LossAdapter
 from ._opt_sharding import OptStateSharding
 from ._precision import Precision
 
@@ -113,19 +113,30 @@ def accumulate(
     return jax.lax.scan(step, (model_state, first), rest)[0]
 
 
-def settle_state(model_state: Any, data_axes: tuple[str, ...], per_device: bool) -> Any:
-    """Inside `shard_map`: a model state the same on every device along `data_axes`.
+def _bits(x: Array) -> Array:
+    """`x` as unsigned integers of its width (a NaN equals the same NaN, bit for bit)."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact) or x.dtype.itemsize not in (2, 4, 8):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def settle_state(model_state: Any, data_axes: tuple[str, ...], per_device: bool) -> tuple[Any, Array | None]:
+    """Inside `shard_map`: a model state the same on every device along `data_axes`, and
+    whether the loss function returned one that differed between them.
 
     Each array of the state a loss function returned is typed as varying over the data
     axes (the step hands the state to it so). With per-device statistics the floating
     arrays are averaged over the data axes (each device's running statistics differ);
-    otherwise every device holds the same values and the first device's are taken,
-    bit for bit. Integer and boolean arrays (counters, flags) are the same everywhere.
+    otherwise every device should hold the same values: the first device's are taken,
+    bit for bit, and `int32[]` 1 says that some device's differed (statistics the loss
+    function took per device where the step expects them over the global batch), else 0
+    (`None` without a state to settle).
     """
     if model_state is None or not data_axes or not vma_checked(data_axes):
-        return model_state
+        return model_state, None
     axes = mesh_ordered(data_axes)
     first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
+    differs: list[Array] = []
 
     def settle(x: Any) -> Any:
         if not set(axes) & varying_axes(x):
@@ -134,9 +145,15 @@ def settle_state(model_state: Any, data_axes: tuple[str, ...], per_device: bool)
         if per_device and eqx.is_inexact_array(x):
             return jax.lax.pmean(x, axes)
         zero = jnp.zeros_like(x)
-        return jax.lax.psum(jnp.where(first, x, zero), axes).astype(x.dtype)
+        chosen = jax.lax.psum(jnp.where(first, x, zero), axes).astype(x.dtype)
+        differs.append(jnp.any(_bits(x) != _bits(chosen)))
+        return chosen
 
-    return jax.tree.map(settle, model_state)
+    settled = jax.tree.map(settle, model_state)
+    if not differs:
+        return settled, None
+    # One scalar all-reduce for the whole state.
+    return settled, jax.lax.pmax(jnp.any(jnp.stack(differs)).astype(jnp.int32), axes)
 
 
 def data_axes_of(spec_tree: P | PyTree) -> tuple[str, ...]:
@@ -275,7 +292,9 @@ def local_gradients(
             pending = None
         model_state, (loss, metrics, grads) = result
         grads = _reduce_pending(layout, grads, pending, precision.reduce_dtype)
-    model_state = settle_state(model_state, data_axes, adapter.batch_norm_axes == ())
+    model_state, diverged = settle_state(model_state, data_axes, adapter.batch_norm_axes == ())
+    if diverged is not None:
+        metrics = {**metrics, STATE_DIVERGED: diverged}
     return loss, metrics, global_norm(grads), grads, model_state
 
 

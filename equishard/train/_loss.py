@@ -91,7 +91,11 @@ def check_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
     return loss, metrics
 
 
-RESERVED_METRICS = ("loss", "grad_norm", "skipped")
+STATE_DIVERGED = "state_diverged"
+"""The metric that is 1 when a loss function returned a model state that differed across
+the data axes (the step kept the first device's), else 0; reported with a model state."""
+
+RESERVED_METRICS = ("loss", "grad_norm", "skipped", STATE_DIVERGED)
 """The metrics the train step reports itself; a loss function's metrics may not reuse them."""
 
 

@@ -479,7 +479,9 @@ def make_train_step(
 
     A `TrainStep`, `train_step(state, batch) -> (new_state, metrics)`; `metrics` holds `loss`,
     `grad_norm` (before clipping), `skipped` (1 if this step was not applied: an
-    application stopping after N consecutive skips counts these) and `loss_fn`'s
+    application stopping after N consecutive skips counts these), with a model state in
+    the local view `state_diverged` (1 if the loss function returned a state that
+    differed across the data axes: the first device's was kept), and `loss_fn`'s
     metrics, all global values. `train_step.lower(state, batch)` lowers it without
     running; `train_step.compile(state, batch)` compiles it ahead of time and returns the
     compiled step (a `CompiledTrainStep`, same signature, for batches of that shape), so
