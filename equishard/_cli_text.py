@@ -53,9 +53,12 @@ def _streamer(c: Any, prompts: list[str]) -> Any:
     batch of prompts)."""
     if c.json or len(prompts) != 1:
         return None
-    sys.stdout.write(prompts[0])
+    started: list[bool] = []
 
     def on_token(row: int, text: str) -> None:
+        if not started:  # the prompt once the model runs (nothing printed before an error)
+            sys.stdout.write(prompts[0])
+            started.append(True)
         sys.stdout.write(text)
         sys.stdout.flush()
 
@@ -83,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
     if c.json:
         print(json.dumps({k: v for k, v in out.items() if k != "stopped"} | {"prompts": prompts}))
     elif options["on_token"] is not None:
-        print()
+        print(prompts[0] if not out["tokens"][0] else "")
     else:
         for prompt, text in zip(prompts, out["texts"]):
             print(f"{prompt}{text}")
