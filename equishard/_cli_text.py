@@ -67,8 +67,11 @@ def _streamer(c: Any, prompts: list[str]) -> Any:
 
 def _generate(args: argparse.Namespace) -> int:
     from ._app._internal import GenerateConfig, from_args
+    from ._errors import GenerationError
 
     c = from_args(GenerateConfig, args)
+    if (c.run_dir is None) == (c.hf is None):
+        raise GenerationError("generate: give --run-dir RUN or --hf DIR; one of the two.")
     use_cpu_devices(c.devices)
     from ._app._internal import generate_from_hf, generate_from_run
     from .models import Sampling
@@ -95,8 +98,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from ._app._internal import EvalConfig, from_args
+    from ._errors import GenerationError
 
     c = from_args(EvalConfig, args)
+    if c.run_dir is None:
+        raise GenerationError("eval: give --run-dir RUN, the run directory to evaluate.")
     use_cpu_devices(c.devices)
     from ._app._internal import evaluate_run
 

@@ -98,13 +98,15 @@ def test_tokenize_writes_token_files_with_a_manifest(tmp_path, capsys):
 
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf" / "llama3"
+CHARS = "abcdefghijklmnopqrstuvwxyz .,:()=\n_'0123456789ABCDEFGHIJKLMNO"
+"""Ids 3 to 63 (after <unk>, <s>, </s>)."""
 
 
 def _char_tokenizer(folder: pathlib.Path) -> None:
-    """A character tokenizer of 51 ids (the fixture's vocabulary is 64) into `folder`."""
+    """A character tokenizer of the fixture's 64 ids into `folder`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    chars = "abcdefghijklmnopqrstuvwxyz .,:()=\n_'0123456789"
+    chars = CHARS
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
@@ -144,3 +146,23 @@ def test_train_init_from_a_hugging_face_folder_on_its_tokens_and_export_it_back(
     assert all(np.array_equal(exported[k], source[k]) for k in source)
     assert main([*argv[:3], "--steps", "1", "--run-dir", str(tmp_path / "r2")]) == 2
     assert "give --data DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2"])
+def test_generate_from_a_hugging_face_folder_continues_as_transformers(tmp_path, capsys, family):
+    """`generate --hf`: the fixture's recorded prompt (as text of the folder's tokenizer)
+    continues greedily with the tokens transformers recorded, on dp=2,tp=4 (2 key/value
+    heads: replicated) — Llama 3.1's rotary scaling and Qwen2's q/k/v biases included."""
+    import shutil
+
+    import numpy as np
+
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURE.parent / family, hf)
+    _char_tokenizer(hf)
+    recorded = np.load(hf / "expected.npz")
+    prompt = "".join(CHARS[i - 3] for i in recorded["prompt"])
+    argv = ["generate", "--hf", str(hf), "--prompt", prompt, "--max-new-tokens", str(len(recorded["greedy"])),
+            "--layout", "dp=2,tp=4", "--json"]  # fmt: skip
+    out = json.loads(_out(argv, capsys))
+    assert out["tokens"][0] == recorded["greedy"].tolist()

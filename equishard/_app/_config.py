@@ -257,7 +257,7 @@ class TokenizeConfig:
 class RunSource:
     """A finished or stopped run to read: its directory, the layout and devices to use."""
 
-    run_dir: str = option("", "the run directory (its config.toml and verified checkpoints)", required=True)
+    run_dir: str | None = option(None, "the run directory (its config.toml and verified checkpoints)")
     layout: str | None = option(None, "the layout to run under (default: the run's own)")
     devices: int = option(8, "CPU devices to simulate (ignored on accelerators)")
 
@@ -276,7 +276,7 @@ class GenerateConfig(RunSource):
     seed: int = option(0, "the sampling key's seed (each row's key comes from it and the row)")
     stop: tuple[str, ...] = option((), "a stop string (one byte for the byte model, one token for a tokenizer's); repeat for several", metavar="TEXT")
     gather: str = option("once", "under fsdp: gather the parameters once before decoding (once) or per layer in every step, as training does (per_layer)", choices=("once", "per_layer"))
-    hf: str | None = option(None, "generate from a Hugging Face folder instead of a run (not yet: refused by name)", metavar="DIR")
+    hf: str | None = option(None, "generate from a Hugging Face folder (config.json, safetensors, tokenizer.json) instead of a run", metavar="DIR")
     json: bool = option(False, "print one JSON object (tokens, texts, timings) instead of streaming the text")
 
 

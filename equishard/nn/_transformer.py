@@ -693,7 +693,7 @@ class ParallelAttention(eqx.Module):
             )
         q, k, v = self._qkv_one_product(x)
         if self.rotary:
-            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions)
+            table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions, self.rotary_scaling)
             q, k = _rotate(q, *table), _rotate(k, *table)
         if cache is None:
             # f32[B, S, H/n, hd], f32[B, S, Hkv_local, hd] -> f32[B, S, H/n, hd]
