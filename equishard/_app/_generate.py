@@ -19,10 +19,11 @@ import jax
 import numpy as np
 
 from .._errors import GenerationError
-from ..models import Generator, Sampling
+from ..models import Generator, Sampling, read_hf_config
 from ..models._internal import canonical_path
 from ._config import CONFIG_FILE, TrainConfig, load_config
 from ._data import ByteCorpus, load_stdlib_corpus
+from ._tokenize import load_tokenizer
 
 BYTE_VOCABULARY = 256
 """The runs' tokenizer: bytes (ids 0-255)."""
@@ -202,18 +203,35 @@ def generate_from_run(
     stops = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop]
     if any(len(s) != 1 for s in stops):
         raise GenerationError(f"generate: stop strings {stops!r}: the byte model stops on single bytes.")
-    longest = max((len(p) for p in data), default=1)
-    length = max_len or max(run.config.seq_len, -(-longest // 16) * 16 + max_new_tokens)
+    ids = [list(p) for p in data]
+    length = _cache_length(ids, max_new_tokens, max_len, run.config.seq_len)
     generator = Generator(
         state.model, run.mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=BYTE_VOCABULARY
     )
+    decode = lambda t: bytes(t).decode("utf-8", errors="replace")  # noqa: E731
+    return _generated(generator, ids, decode, [s[0] for s in stops], max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=step)
+
+
+def _cache_length(ids: Sequence[Sequence[int]], max_new_tokens: int, max_len: int | None, seq_len: int = 0) -> int:
+    """The cache's length: `max_len`, else the longest prompt (as the prefill pads it, to
+    a multiple of 16) plus the new tokens, at least the run's window `seq_len`."""
+    longest = max((len(p) for p in ids), default=1)
+    return max_len or max(seq_len, -(-longest // 16) * 16 + max_new_tokens)
+
+
+def _generated(
+    generator: Generator, ids: list[list[int]], decode: Any, stop_ids: list[int], *,
+    max_new_tokens: int, seed: int, on_token: Any, step: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Generate from the prompts' `ids`; the result `generate_from_run` returns, the
+    texts made by `decode(ids)` (streamed to `on_token` as they come)."""
     out = generator.generate(
-        [list(p) for p in data], max_new_tokens=max_new_tokens, key=jax.random.key(seed),
-        stop_tokens=[s[0] for s in stops], on_token=_text_stream(on_token, lambda ids: bytes(ids).decode("utf-8", errors="ignore")),
+        ids, max_new_tokens=max_new_tokens, key=jax.random.key(seed), stop_tokens=stop_ids,
+        on_token=_text_stream(on_token, decode),
     )  # fmt: skip
     return {
         "step": step,
-        "texts": [bytes(t).decode("utf-8", errors="replace") for t in out.tokens],
+        "texts": [decode(list(t)) for t in out.tokens],
         "tokens": out.tokens,
         "stopped": out.stopped,
         "prefill_seconds": out.prefill_seconds,
@@ -241,26 +259,6 @@ def _text_stream(on_token: Any, decode: Any) -> Any:
     return each
 
 
-def _tokenized(
-    generator: Generator, tokenizer: Any, prompts: Sequence[str], stop_ids: list[int], *,
-    max_new_tokens: int, seed: int, on_token: Any, step: int | None,
-) -> dict[str, Any]:  # fmt: skip
-    """`generate_from_run`'s result for prompts encoded by `tokenizer`."""
-    out = generator.generate(
-        [tokenizer.encode(p).ids for p in prompts], max_new_tokens=max_new_tokens,
-        key=jax.random.key(seed), stop_tokens=stop_ids, on_token=_text_stream(on_token, tokenizer.decode),
-    )  # fmt: skip
-    return {
-        "step": step,
-        "texts": [tokenizer.decode(list(t)) for t in out.tokens],
-        "tokens": out.tokens,
-        "stopped": out.stopped,
-        "prefill_seconds": out.prefill_seconds,
-        "decode_seconds": out.decode_seconds,
-        "decode_steps": out.decode_steps,
-    }
-
-
 def _one_token_each(tokenizer: Any, stop: Sequence[str]) -> list[int]:
     """Each stop string's one token (refused by name if it is several)."""
     ids = []
@@ -281,23 +279,18 @@ def _generate_tokens(
 ) -> dict[str, Any]:  # fmt: skip
     """`generate_from_run` for a `--data` run: the prompts encoded by its tokenizer, the
     tokenizer's end-of-text token a stop token."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(run.tokens.train.directory / "tokenizer.json"))
+    tokenizer = load_tokenizer(run.tokens.train.directory)
     eot = run.tokens.train.manifest["tokenizer"].get("eot")
     ids = [tokenizer.encode(p).ids for p in prompts]
-    length = max_len or max(run.config.seq_len, -(-max(map(len, ids)) // 16) * 16 + max_new_tokens)
+    length = _cache_length(ids, max_new_tokens, max_len, run.config.seq_len)
     generator = Generator(state.model, run.mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=tokenizer.get_vocab_size())
     stops = ([eot] if eot is not None else []) + _one_token_each(tokenizer, stop)
-    return _tokenized(generator, tokenizer, prompts, stops, max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=step)
+    return _generated(generator, ids, tokenizer.decode, stops, max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=step)
 
 
 def _hf_stop_ids(folder: pathlib.Path, tokenizer: Any, stop: Sequence[str]) -> list[int]:
     """The end-of-text ids `config.json` names and each stop string's one token."""
-    import json
-
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    eos = config.get("eos_token_id")
+    eos = read_hf_config(str(folder)).get("eos_token_id")
     return ([eos] if isinstance(eos, int) else list(eos or [])) + _one_token_each(tokenizer, stop)
 
 
@@ -325,15 +318,14 @@ def generate_from_hf(
     folder = pathlib.Path(folder)
     if not (folder / "tokenizer.json").is_file():
         raise GenerationError(f"generate --hf {folder}: no tokenizer.json there to encode the prompts with.")
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = load_tokenizer(folder)
     resolved = Layout(layout).resolve(len(devices) if devices is not None else None)
     mesh = resolved.mesh(devices)
     model = load_hf(str(folder), resolved.parallelism, mesh)
     ids = [tokenizer.encode(p).ids for p in prompts]
-    longest = max((len(p) for p in ids), default=1)
-    length = max_len or -(-longest // 16) * 16 + max_new_tokens
-    generator = Generator(model, mesh, max_len=length, sampling=sampling, gather=gather, vocab_size=tokenizer.get_vocab_size())
+    generator = Generator(
+        model, mesh, max_len=_cache_length(ids, max_new_tokens, max_len), sampling=sampling, gather=gather,
+        vocab_size=tokenizer.get_vocab_size(),
+    )  # fmt: skip
     stops = _hf_stop_ids(folder, tokenizer, stop)
-    return _tokenized(generator, tokenizer, prompts, stops, max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=None)
+    return _generated(generator, ids, tokenizer.decode, stops, max_new_tokens=max_new_tokens, seed=seed, on_token=on_token, step=None)

@@ -352,9 +352,9 @@ class Run:
         if self.tokens is None:
             out = sample_text(model, prompt.encode(), length, seq_len=config.seq_len, key=key)
             return bytes(out).decode("utf-8", errors="replace")  # type: ignore[arg-type]
-        from tokenizers import Tokenizer
+        from ._tokenize import load_tokenizer
 
-        tokenizer = Tokenizer.from_file(str(self.tokens.train.directory / "tokenizer.json"))
+        tokenizer = load_tokenizer(self.tokens.train.directory)
         ids = tokenizer.encode(prompt).ids or [0]
         out = sample_text(model, ids, length, seq_len=config.seq_len, key=key, vocab_size=tokenizer.get_vocab_size())
         return tokenizer.decode(list(out))  # type: ignore[arg-type]
