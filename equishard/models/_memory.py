@@ -134,8 +134,8 @@ def gpt_memory(
     A `MemoryEstimate`.
     """
     layout = resolve_layout(layout, num_devices)
-    # Read in the conventional axis names (the same figures: only names change).
-    layout = layout.layout.conventional().resolve(layout.num_devices)
+    if layout.layout.roles:  # read in the conventional axis names (only names change)
+        layout = layout.layout.conventional().resolve(layout.num_devices)
     s = _setting(config, layout, batch_size, seq_len)
     itemsize = params[0].total_bytes // max(math.prod(params[0].shape), 1) if params else 4
     t = s.tokens / s.microbatches

@@ -136,15 +136,16 @@ class Layout:
         (`replica=2,model=4` with roles data and tensor: `dp=2,tp=4`), for readers that
         speak the conventional names (the GPT's analytical minimum)."""
         names = {role: axis for axis, role in DEFAULT_ROLES.items()}
+        roles = self.role_of()
         parts = []
         for part in self.spec.split(","):
             axis, sep, size = part.partition("=")
-            role = self.role_of().get(axis.strip())
+            role = roles.get(axis.strip())
             parts.append(f"{names[role]}={size}" if sep and role in names else part)
         return dataclasses.replace(self, spec=",".join(parts), roles=())
 
     def role_of(self) -> dict[str, str]:
-        """Each role's mesh axis name, from `roles` over the defaults (unchecked)."""
+        """Each axis name's role, from `roles` over the defaults (unchecked)."""
         given = dict(self.roles)
         return {**DEFAULT_ROLES, **given}
 
@@ -167,7 +168,8 @@ class Layout:
         named = self._check(axes)  # role -> the axis playing it
         pipeline = named.get("pipeline")
         pp = axes[pipeline] if pipeline else None
-        data_axes = tuple(a for a in axes if self.role_of().get(a) in DATA_ROLES)
+        role_of_axis = {axis: role for role, axis in named.items()}  # every axis has one (checked)
+        data_axes = tuple(a for a in axes if role_of_axis[a] in DATA_ROLES)
         parallelism = Parallelism(
             axes=tuple(axes),
             sizes=tuple(axes.values()),
