@@ -264,8 +264,9 @@ class TrainStep(eqx.Module):
     """A jitted `step(state, batch) -> (state, metrics)`, made by `make_train_step`.
 
     Its parts are fields: `mesh`, `optimizer`, `opt_sharding` (the optimizer state's
-    layout, bound to the mesh) and `precision` (the precision policy). Each call checks the state (not donated already, laid out on the step's mesh) before
-    dispatching the program; a new batch shape compiles anew, as `jax.jit` does.
+    layout, bound to the mesh) and `precision` (the precision policy). Each call checks
+    the state (not donated already, laid out on the step's mesh) before dispatching the
+    program; a new batch shape compiles anew, as `jax.jit` does.
     """
 
     jitted: Any = eqx.field(static=True)
