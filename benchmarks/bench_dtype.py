@@ -44,7 +44,7 @@ def main() -> None:
         vocab_size=args.vocab, d_model=args.d_model, n_heads=args.heads,
         n_layers=args.layers, d_ff=args.d_ff,
     )  # fmt: skip
-    par = layout.parallelism()
+    par = layout.resolve()
     optimizer = optax.adamw(1e-4)
     batch = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     tokens = args.batch * args.seq
@@ -60,7 +60,7 @@ def main() -> None:
         def loss_fn(model, b, key, dtype=dtype):
             return cast_floating(model, dtype).loss(b, key)
 
-        step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), donate=True)
+        step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec, donate=True)
         holder = {"state": state}
 
         def run():

@@ -82,7 +82,7 @@ def gather_modes() -> dict[str, dict[str, float]]:
     config = PRESETS["small"]
     layout = es.Layout("fsdp=4,tp=2").resolve(8)
     mesh = layout.mesh()
-    model = es.sharded_init(lambda k: GPT(config, layout.parallelism, key=k), jax.random.key(0), mesh=mesh)
+    model = es.sharded_init(lambda k: GPT(config, layout, key=k), jax.random.key(0), mesh=mesh)
     prompts = [list(np.random.default_rng(i).integers(0, 256, PROMPT)) for i in range(4)]
     out = {}
     for mode in ("once", "per_layer"):

@@ -225,7 +225,7 @@ def _equishard_step(make_model: Any, loss: Any, device: Any) -> tuple[Any, Any, 
     opt = _optimizer()
     state = init_train_state(make_model, opt, jax.random.key(0), mesh=mesh)
     step = make_train_step(
-        loss, opt, mesh=mesh, batch_spec=layout.batch_spec(1), clip_norm=1.0, donate=True,
+        loss, opt, mesh=mesh, batch_spec=layout.resolve(1).batch_spec, clip_norm=1.0, donate=True,
         precision=MixedPrecision(jax.numpy.bfloat16),
     )
     arrays, static = eqx.partition(state, eqx.is_array)
@@ -283,7 +283,7 @@ def _gpt_parts(config: str, variant: Variant) -> tuple[Any, Any, Any, Any]:
     from equishard.sharding import Layout
 
     cfg = _gpt_config(config, variant)
-    par = Layout("dp=1").parallelism(1)
+    par = Layout("dp=1").resolve(1)
     make = lambda key: GPT(cfg, par, key=key)  # noqa: E731
     es_loss = lambda model, batch, key: model.loss(batch, key)  # noqa: E731  (bf16: compute_dtype)
     plain_of = lambda model: to_single_device(jax.device_get(model))  # noqa: E731

@@ -77,7 +77,7 @@ def one(folder: str) -> None:
     from equishard.models import count_parameters, load_hf
 
     layout = es.Layout("fsdp=8")
-    mesh, par = layout.mesh(), layout.parallelism()
+    mesh, par = layout.mesh(), layout.resolve()
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     from safetensors.numpy import load_file
 
@@ -112,7 +112,7 @@ def reads(folder: str) -> None:
     from equishard.models import load_hf
 
     layout = es.Layout("fsdp=8")
-    mesh, par = layout.mesh(), layout.parallelism()
+    mesh, par = layout.mesh(), layout.resolve()
     if jax.process_index() == 0:
         _evict(folder)
     from jax.experimental import multihost_utils

@@ -144,15 +144,15 @@ def equishard_side(config: Any, layout: Any, batch: Any) -> dict[str, Any]:
     from equishard.train import init_train_state, make_train_step
 
     mesh = layout.mesh()
-    par = layout.parallelism()
+    par = layout.resolve()
     optimizer = _optimizer()
     state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
     step = make_train_step(
         lambda model, b, key: model.loss(b, key), optimizer, mesh=mesh,
-        batch_spec=layout.batch_spec(), clip_norm=CLIP,
+        batch_spec=layout.resolve().batch_spec, clip_norm=CLIP,
     )  # fmt: skip
     jitted, arrays, _ = _state_jit(step, state)
-    batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, layout.batch_spec()))
+    batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, layout.resolve().batch_spec))
     lowered, lower_s = timed(lambda: jitted.lower(arrays, batch))
     compiled, compile_s = timed(lambda: lowered.compile())
     return {
@@ -213,7 +213,7 @@ def gspmd_side(es: dict[str, Any], layout: Any, batch_host: Any) -> dict[str, An
     opt_state = optimizer.init(params)
     opt_sh = _shardings(opt_state, mesh)
     opt_state = jax.device_put(opt_state, opt_sh)
-    batch_sh = NamedSharding(mesh, layout.batch_spec())
+    batch_sh = NamedSharding(mesh, layout.resolve().batch_spec)
     batch = jax.device_put(batch_host, batch_sh)
     jitted = jax.jit(
         _plain_step(static, optimizer), in_shardings=(param_sh, opt_sh, batch_sh), out_shardings=(param_sh, opt_sh, None),
@@ -398,9 +398,9 @@ def bench_single_device(repeats: int) -> dict[str, Any]:
     layout = Layout("dp=1")
     mesh = layout.mesh([device])
     optimizer = _optimizer()
-    state = init_train_state(lambda k: GPT(config, layout.parallelism(1), key=k), optimizer, jax.random.key(0), mesh=mesh)
+    state = init_train_state(lambda k: GPT(config, layout.resolve(1), key=k), optimizer, jax.random.key(0), mesh=mesh)
     step = make_train_step(
-        lambda model, b, key: model.loss(b, key), optimizer, mesh=mesh, batch_spec=layout.batch_spec(1),
+        lambda model, b, key: model.loss(b, key), optimizer, mesh=mesh, batch_spec=layout.resolve(1).batch_spec,
         clip_norm=CLIP,
     )  # fmt: skip
     batch = jax.device_put(

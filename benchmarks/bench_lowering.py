@@ -80,7 +80,7 @@ def lower_once(package: str) -> dict[str, float]:
     layout = (getattr(sharding, "Layout", None) or train.Layout)(LAYOUT)
     devices = jax.devices()
     optimizer = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1)
-    mesh, par = layout.mesh(devices), layout.parallelism(len(devices))
+    mesh, par = layout.mesh(devices), layout.resolve(len(devices))
     clock = time.process_time  # CPU time of this process: what tracing and lowering cost
     start = clock()
     make_state = lambda: train.init_train_state(  # noqa: E731

@@ -152,7 +152,7 @@ def gpt_bytes(schedule: str, spec: str = "pp=2,dp=2,tp=2", microbatches: int = 8
     layout = Layout(spec, num_microbatches=microbatches, pipeline_schedule=schedule)
     batch = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, SEQ + 1), dtype=np.int32)
     side = equishard_side(config, layout, batch)
-    par = layout.parallelism()
+    par = layout.resolve()
     table = pipeline_schedule(schedule, par.num_stages, microbatches, repeats=par.pipeline_repeats)
     per_device = []
     for device in range(par.num_stages):

@@ -265,7 +265,7 @@ def test_scan_units_equals_the_plain_scan(layout):
 
     mesh = es.make_mesh(layout)
     config = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=3, d_ff=64)
-    par = es.Layout(layout).parallelism(8)
+    par = es.Layout(layout).resolve(8)
     units = es.sharded_init(lambda k: GPT(config, par, key=k), jax.random.key(0), mesh=mesh).units
     x = jax.random.normal(jax.random.key(1), (16, 8, 32))
 

@@ -207,12 +207,12 @@ def test_gpt_fused_loss_equals_the_unfused_one(spec, tied, kw):
     layout = Layout(spec, **kw)
     mesh = layout.mesh()
     config = dataclasses.replace(CONFIG, tied=tied)
-    model = es.sharded_init(lambda k: GPT(config, layout.parallelism(), key=k), jax.random.key(0), mesh=mesh)
+    model = es.sharded_init(lambda k: GPT(config, layout.resolve(), key=k), jax.random.key(0), mesh=mesh)
 
     def body(model, batch):
         return eqx.filter_value_and_grad(lambda m: m.loss(batch)[0])(model)
 
-    fn = es.filter_shard_map(body, mesh=mesh, in_specs=(None, layout.batch_spec()), out_specs=(P(), None))
+    fn = es.filter_shard_map(body, mesh=mesh, in_specs=(None, layout.resolve().batch_spec), out_specs=(P(), None))
     got_loss, got_grads = eqx.filter_jit(fn)(model, batch)
     assert_tree_allclose(got_loss, loss)
     assert_tree_allclose(_tail(got_grads), _tail(grads))

@@ -41,7 +41,7 @@ SAMPLING = Sampling(temperature=0.9, top_k=40, top_p=0.9)
 def _model(spec: str) -> tuple[GPT, jax.sharding.Mesh]:
     layout = es.Layout(spec).resolve(8)
     mesh = layout.mesh()
-    model = es.sharded_init(lambda k: GPT(CONFIG, layout.parallelism, key=k), jax.random.key(1), mesh=mesh)
+    model = es.sharded_init(lambda k: GPT(CONFIG, layout, key=k), jax.random.key(1), mesh=mesh)
     return model, mesh
 
 
@@ -142,7 +142,7 @@ def test_decode_bytes_near_minimum_where_the_weights_dominate(spec):
     whose weights, not its activations, set the step's bytes."""
     layout = es.Layout(spec).resolve(8)
     mesh = layout.mesh()
-    model = es.sharded_init(lambda k: GPT(WIDE, layout.parallelism, key=k), jax.random.key(1), mesh=mesh)
+    model = es.sharded_init(lambda k: GPT(WIDE, layout, key=k), jax.random.key(1), mesh=mesh)
     accessed, minimum = _decode_bytes(Generator(model, mesh, max_len=MAX_LEN), WIDE)
     # (On fsdp=4,tp=2 the compiled step reads 0.04 % less than the sum: it need not read
     # every byte of every array, e.g. not the whole embedding table for a lookup.)
@@ -207,7 +207,7 @@ def test_bad_inputs_named(kwargs, prompts, match):
 
 def test_pipeline_refused_by_name():
     layout = es.Layout("pp=2,tp=4").resolve(8)
-    model = eqx.filter_eval_shape(lambda: GPT(CONFIG, layout.parallelism, key=jax.random.key(0)))
+    model = eqx.filter_eval_shape(lambda: GPT(CONFIG, layout, key=jax.random.key(0)))
     with pytest.raises(es.GenerationError, match="pipeline"):
         Generator(model, layout.mesh(), max_len=MAX_LEN)
 

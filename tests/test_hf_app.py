@@ -45,7 +45,7 @@ def test_a_runs_checkpoint_exports_as_llama(run_dir, tmp_path):
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["num_hidden_layers"] == 2
     # Loaded back under another layout, the same parameters.
     layout = es.Layout("dp=2,tp=2,fsdp=2").resolve()
-    again = load_hf(str(to), layout.parallelism, layout.mesh())
+    again = load_hf(str(to), layout, layout.mesh())
     ref = jax.tree.leaves(to_single_device(es.gather(state.model)))
     back = jax.tree.leaves(to_single_device(es.gather(again)))
     assert len(ref) == len(back) == 9

@@ -42,8 +42,7 @@ def _forward(layout: str):
     in, global float32 logits `[8, 16, V]` out."""
     spec, sp, repeats = layout.split("+")[0], layout.endswith("+sp"), 2 if layout.endswith("+r2") else 1
     resolved = es.Layout(spec, sequence_parallel=sp, pipeline_repeats=repeats).resolve()
-    mesh, batch = resolved.mesh(), resolved.batch_spec
-    par = resolved.parallelism
+    mesh, batch, par = resolved.mesh(), resolved.batch_spec, resolved
     vocab_axis = "tp" if "tp" in mesh.axis_names else None
 
     def body(model, ids):

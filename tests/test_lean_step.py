@@ -139,10 +139,10 @@ def _gpt_step(spec, **options):
     mesh = layout.mesh()
     optimizer = optax.adamw(3e-3)
     state = init_train_state(
-        lambda k: GPT(MP, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh
+        lambda k: GPT(MP, layout.resolve(), key=k), optimizer, jax.random.key(0), mesh=mesh
     )
     loss_fn = options.pop("loss_fn", lambda model, batch, key: model.loss(batch, key))
-    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), **options)
+    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec, **options)
     return state, step
 
 

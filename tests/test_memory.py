@@ -27,7 +27,7 @@ BATCH, SEQ = 8, 32
 
 
 def _abstract_gpt(config: GPTConfig, layout: Layout):
-    par = layout.parallelism()
+    par = layout.resolve()
     mesh = jax.sharding.AbstractMesh(par.sizes, par.axes)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.eval_shape(lambda: GPT(config, par, key=jax.random.key(0)))
@@ -82,13 +82,13 @@ def test_fully_split_gpt_trains_as_on_one_device():
     batch = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, 256)
     results = []
     for layout in (Layout("dp=1"), Layout("dp=2,fsdp=4", fsdp_min_weight_size=0)):
-        mesh = layout.mesh(jax.devices()[: math.prod(layout.axes().values())])
+        mesh = layout.mesh(jax.devices()[: math.prod(layout.resolve().shape.values())])
         sgd = optax.sgd(0.5)
         state = init_train_state(
-            lambda k: GPT(config, layout.parallelism(), key=k), sgd, jax.random.key(0), mesh=mesh
+            lambda k: GPT(config, layout.resolve(), key=k), sgd, jax.random.key(0), mesh=mesh
         )
         step = make_train_step(
-            lambda m, b, k: m.loss(b, k), sgd, mesh=mesh, batch_spec=layout.batch_spec()
+            lambda m, b, k: m.loss(b, k), sgd, mesh=mesh, batch_spec=layout.resolve().batch_spec
         )
         losses = []
         for _ in range(2):
@@ -110,10 +110,10 @@ def _remat_losses(remat: str) -> tuple[float, ...]:
     mesh = REMAT_LAYOUT.mesh(jax.devices()[:4])
     adamw = optax.adamw(3e-3)
     state = init_train_state(
-        lambda k: GPT(config, REMAT_LAYOUT.parallelism(4), key=k), adamw, jax.random.key(0), mesh=mesh
+        lambda k: GPT(config, REMAT_LAYOUT.resolve(4), key=k), adamw, jax.random.key(0), mesh=mesh
     )
     step = make_train_step(
-        lambda m, b, k: m.loss(b, k), adamw, mesh=mesh, batch_spec=REMAT_LAYOUT.batch_spec(4)
+        lambda m, b, k: m.loss(b, k), adamw, mesh=mesh, batch_spec=REMAT_LAYOUT.resolve(4).batch_spec
     )
     losses = []
     for i in range(5):
@@ -152,10 +152,10 @@ def _chunked_run(batch_chunks: int, optimizer, steps: int):
     config = dataclasses.replace(SMALL, remat="minimal_with_context", batch_chunks=batch_chunks)
     mesh = CHUNKS_LAYOUT.mesh(jax.devices()[:8])
     state = init_train_state(
-        lambda k: GPT(config, CHUNKS_LAYOUT.parallelism(8), key=k), optimizer, jax.random.key(0), mesh=mesh
+        lambda k: GPT(config, CHUNKS_LAYOUT.resolve(8), key=k), optimizer, jax.random.key(0), mesh=mesh
     )
     step = make_train_step(
-        lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=CHUNKS_LAYOUT.batch_spec(8)
+        lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=CHUNKS_LAYOUT.resolve(8).batch_spec
     )
     # The parameters, whole (the models differ in their static config only).
     params = lambda m: es.unbox(es.gather((m.embed, m.units, m.norm, m.head)))  # noqa: E731

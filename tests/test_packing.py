@@ -63,14 +63,14 @@ def _reference() -> tuple[GPT, float]:
 
 def _loss_and_grads(spec: str, config: GPTConfig = CONFIG, **layout_kw):
     layout = es.Layout(spec, **layout_kw)
-    mesh, par = layout.mesh(), layout.parallelism()
+    mesh, par = layout.mesh(), layout.resolve()
     model = es.sharded_init(lambda k: GPT(config, par, key=k), jax.random.key(0), mesh=mesh)
     batch = pack_windows(_windows(), eot=EOT, cp=par.size(par.context))
 
     def body(model, batch):
         return eqx.filter_value_and_grad(lambda m: m.loss(batch)[0])(model)
 
-    step = es.filter_shard_map(body, mesh=mesh, in_specs=(None, layout.batch_spec()), out_specs=(P(), None))
+    step = es.filter_shard_map(body, mesh=mesh, in_specs=(None, layout.resolve().batch_spec), out_specs=(P(), None))
     loss, grads = eqx.filter_jit(step)(model, batch)
     return float(loss), grads
 

@@ -413,14 +413,56 @@ RESOLVED = [
 @pytest.mark.parametrize("case", RESOLVED, ids=lambda c: c[0].spec)
 def test_a_layout_resolves_to_its_axes_roles_and_batch_spec(case):
     layout, axes, data, tensor, fsdp, context, pipeline, batch_spec, ways, zero, micro = case
-    resolved = layout.resolve(8)
-    par = resolved.parallelism
-    assert resolved.layout is layout and resolved.spec == layout.spec
-    assert resolved.axes == axes and resolved.num_devices == 8
+    par = layout.resolve(8)
+    assert isinstance(par, es.Parallelism)
+    assert par.shape == axes and par.axes == tuple(axes) and par.sizes == tuple(axes.values())
+    assert par.spec == ",".join(f"{a}={n}" for a, n in axes.items()) and par.num_devices == 8
     assert (par.data_axes, par.tensor, par.fsdp, par.context, par.pipeline) == (data, tensor, fsdp, context, pipeline)
-    assert resolved.batch_spec == batch_spec and resolved.data_parallel_size == ways
-    assert resolved.zero == zero and resolved.num_microbatches == micro
-    assert dict(resolved.mesh(jax.devices()).shape) == axes
+    assert par.batch_spec == batch_spec and par.data_parallel_size == ways
+    assert par.zero == zero and par.num_microbatches == micro
+    assert par.num_stages == (axes[pipeline] if pipeline else 1)
+    assert dict(par.mesh(jax.devices()).shape) == axes
+    # A Parallelism written by hand with the same fields is the same value.
+    by_hand = es.Parallelism(
+        axes=tuple(axes), sizes=tuple(axes.values()), data_axes=data, tensor=tensor, fsdp=fsdp,
+        context=context, pipeline=pipeline, num_microbatches=micro, zero=zero,
+        sequence_parallel=layout.sequence_parallel, pipeline_schedule=layout.pipeline_schedule,
+        context_impl=layout.cp_impl,
+    )  # fmt: skip
+    assert by_hand == par and hash(by_hand) == hash(par)
+
+
+def test_a_parallelism_in_the_users_names_reads_in_the_conventional_ones():
+    roles = {"replica": "data", "shard": "fsdp", "model": "tensor"}
+    layout = es.Layout("replica=2,shard=2,model=2", zero=True, sequence_parallel=True, roles=roles)
+    par = layout.resolve(8)
+    expected = es.Parallelism(
+        axes=("dp", "fsdp", "tp"), sizes=(2, 2, 2), data_axes=("dp", "fsdp"), tensor="tp",
+        fsdp="fsdp", sequence_parallel=True, zero="dp",
+    )  # fmt: skip
+    assert par.data == "replica" and par.conventional() == expected
+    assert expected.conventional() is expected
+    assert dict(layout.mesh().shape) == {"replica": 2, "shard": 2, "model": 2}
+
+
+def test_a_parallelism_made_by_hand_is_checked_as_a_resolved_one():
+    with pytest.raises(es.MeshError, match="the tensor axis 'tp' is not an axis of the mesh"):
+        es.Parallelism(axes=("dp",), sizes=(8,), data_axes=("dp",), tensor="tp")
+    with pytest.raises(es.MeshError, match="plays the roles 'tensor' and 'fsdp'"):
+        es.Parallelism(axes=("x",), sizes=(8,), data_axes=("x",), tensor="x", fsdp="x")
+    with pytest.raises(es.MeshError, match="the tensor axis 'tp' must not be a data axis"):
+        es.Parallelism(axes=("tp",), sizes=(8,), data_axes=("tp",), tensor="tp")
+    with pytest.raises(es.MeshError, match="'dp' and 'replica' both play the role 'data'"):
+        es.Parallelism(axes=("dp", "replica"), sizes=(4, 2), data_axes=("dp", "replica"))
+    with pytest.raises(es.MeshError, match="sequence parallelism needs a tensor axis"):
+        es.Parallelism(axes=("dp",), sizes=(8,), data_axes=("dp",), sequence_parallel=True)
+    with pytest.raises(es.MeshError, match="zero .* lacks"):
+        es.Parallelism(axes=("dp", "fsdp"), sizes=(1, 8), data_axes=("dp", "fsdp"), fsdp="fsdp", zero="dp")
+    with pytest.raises(es.MeshError, match="one size each"):
+        es.Parallelism(axes=("dp", "tp"), sizes=(8,))
+    with pytest.raises(es.MeshError, match="num_microbatches .* at least 1"):
+        es.Parallelism(num_microbatches=0)
+    assert es.Parallelism().num_devices == 1 and es.Parallelism().batch_spec == P()
 
 
 def test_an_axis_without_a_role_is_named():
@@ -437,3 +479,7 @@ def test_a_layout_is_checked_where_it_is_resolved():
         es.Layout("dp=2,cp=4", cp_impl="ulysses").resolve(8)
     with pytest.raises(es.MeshError, match="zero .* lacks"):
         es.Layout("fsdp=8", zero=True).resolve(8)
+    with pytest.raises(es.MeshError, match="zero .* lacks"):
+        es.Layout("dp=1,fsdp=8", zero=True).resolve(8)
+    with pytest.raises(es.MeshError, match="num_microbatches .* at least 1, got 0"):
+        es.Layout("dp=8", num_microbatches=0).resolve(8)

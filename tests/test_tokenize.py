@@ -213,7 +213,7 @@ import equishard as es
 from equishard.train import TokenFiles, batch_at, example_indices
 
 layout = es.Layout("dp=8")
-sharding = jax.sharding.NamedSharding(layout.mesh(), layout.batch_spec())
+sharding = jax.sharding.NamedSharding(layout.mesh(), layout.resolve().batch_spec)
 files = TokenFiles(sys.argv[1], 16)
 reads = []
 real = files.read_range
@@ -234,10 +234,10 @@ import hashlib, optax
 from equishard.models import GPT, GPTConfig
 from equishard.train import init_train_state, make_train_step
 config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
-mesh, par = layout.mesh(), layout.parallelism()
+mesh, par = layout.mesh(), layout.resolve()
 optimizer = optax.adamw(3e-3)
 state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
-step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec)
 files = TokenFiles(sys.argv[1], 16)
 for s in range(3):
     batch = batch_at(files, 8 * s, 8, seed=0, sharding=sharding)
@@ -266,13 +266,13 @@ def _token_steps(corpus: pathlib.Path, spec: str, state=None, steps: int = 2, **
     """`steps` steps from `state` (or a new one) on token files, each batch read at the
     state's data position: the final state and per step the loss and the tokens' hash."""
     layout = es.Layout(spec, **layout_kw)
-    mesh, par = layout.mesh(), layout.parallelism()
+    mesh, par = layout.mesh(), layout.resolve()
     config = GPTConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=2, d_ff=64)
     files = TokenFiles(corpus, SEQ, cp=par.size(par.context))
     optimizer = optax.adamw(3e-3)
     if state is None:
         state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec)
     out = []
     for _ in range(steps):
         batch = batch_at(files, int(state.data_position), 8, seed=0)

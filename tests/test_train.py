@@ -54,14 +54,14 @@ def _train(spec, config, *, sequence_parallel=False, dtype=jnp.float32, optimize
         roles=roles,
     )  # fmt: skip
     mesh = layout.mesh()
-    par = layout.parallelism()
+    par = layout.resolve()
     optimizer = optimizer or optax.adamw(3e-3)
     state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
 
     def loss_fn(model, batch, key):
         return cast_floating(model, dtype).loss(batch, key)
 
-    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), **kw)
+    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec, **kw)
     history = []
     cp = par.size(par.context)
     for batch in _batches()[:steps]:
@@ -111,7 +111,7 @@ def test_a_layout_in_the_users_axis_names_trains_to_the_same_losses():
 
     curves = []
     one = Layout("replica=1,shard=1,model=1", roles=roles).mesh(jax.devices()[:1])
-    for mesh, spec in ((layout.mesh(), layout.batch_spec()), (one, P())):
+    for mesh, spec in ((layout.mesh(), layout.resolve().batch_spec), (one, P())):
         make = lambda k: es.apply_rules(eqx.nn.MLP(32, 32, 64, 1, key=k), rules)  # noqa: E731
         optimizer = optax.adam(1e-2)
         step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=spec, view="global")
@@ -179,7 +179,7 @@ def test_context_parallel_with_a_pipeline_trains_to_the_same_losses(spec, schedu
 )
 def test_unsupported_context_parallel_combinations_are_refused(layout, config, match):
     with pytest.raises(LayerConfigError, match=match):
-        GPT(config, layout.parallelism(), key=jax.random.key(0))
+        GPT(config, layout.resolve(), key=jax.random.key(0))
 
 
 def test_sequence_parallel_trains_to_the_same_losses():
@@ -216,9 +216,9 @@ def _accumulating_step(spec, grad_accum, loss_fn=None):
     layout = Layout(spec)
     mesh = layout.mesh()
     sgd = optax.sgd(0.1)
-    state = init_train_state(lambda k: GPT(DENSE, layout.parallelism(), key=k), sgd, jax.random.key(0), mesh=mesh)
+    state = init_train_state(lambda k: GPT(DENSE, layout.resolve(), key=k), sgd, jax.random.key(0), mesh=mesh)
     loss_fn = loss_fn or (lambda model, batch, key: model.loss(batch, key))
-    step = make_train_step(loss_fn, sgd, mesh=mesh, batch_spec=layout.batch_spec(), grad_accum=grad_accum)
+    step = make_train_step(loss_fn, sgd, mesh=mesh, batch_spec=layout.resolve().batch_spec, grad_accum=grad_accum)
     return step, state
 
 
@@ -272,14 +272,14 @@ def test_a_non_finite_step_is_skipped_and_counted():
     layout = Layout("dp=4,tp=2")
     mesh = layout.mesh()
     optimizer = optax.adamw(1e-3)
-    state = init_train_state(lambda k: GPT(DENSE, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh)
+    state = init_train_state(lambda k: GPT(DENSE, layout.resolve(), key=k), optimizer, jax.random.key(0), mesh=mesh)
 
     def loss_fn(model, batch, key):
         loss, metrics = model.loss(batch, key)
         poisoned = jax.lax.pmax(jnp.max(batch), ("dp",)) >= 1000
         return jnp.where(poisoned, jnp.nan, loss), metrics
 
-    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec)
     before = es.gather(state.model)
     bad = _batches()[0].copy()
     bad[3, 4] = 1000
@@ -334,14 +334,14 @@ def test_the_step_is_traced_once():
     layout = Layout("fsdp=4,tp=2")
     mesh = layout.mesh()
     optimizer = optax.adamw(1e-3)
-    state = init_train_state(lambda k: GPT(SMALL, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh)
+    state = init_train_state(lambda k: GPT(SMALL, layout.resolve(), key=k), optimizer, jax.random.key(0), mesh=mesh)
     traces = []
 
     def loss_fn(model, batch, key):
         traces.append(1)
         return model.loss(batch, key)
 
-    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    step = make_train_step(loss_fn, optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec)
     step.lower(state, _batches()[0])
     assert len(traces) == 1
 
@@ -352,8 +352,8 @@ def test_a_non_finite_update_is_skipped():
     layout = Layout("fsdp=4,tp=2")
     mesh = layout.mesh()
     optimizer = optax.adamw(float("nan"))
-    state = init_train_state(lambda k: GPT(SMALL, layout.parallelism(), key=k), optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
+    state = init_train_state(lambda k: GPT(SMALL, layout.resolve(), key=k), optimizer, jax.random.key(0), mesh=mesh)
+    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec)
     before = es.gather(state.model)
     for i in range(2):
         state, metrics = step(state, _batches()[i])

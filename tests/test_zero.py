@@ -39,7 +39,7 @@ def _loss(model, batch, key):
 
 
 def _state(layout: Layout, optimizer=ADAMW) -> TrainState:
-    par = layout.parallelism()
+    par = layout.resolve()
     return init_train_state(
         lambda k: GPT(CONFIG, par, key=k), optimizer, jax.random.key(0), mesh=layout.mesh(),
         opt_sharding=_zero1(layout),
@@ -47,7 +47,7 @@ def _state(layout: Layout, optimizer=ADAMW) -> TrainState:
 
 
 def _zero1(layout: Layout) -> ZeRO1 | None:
-    axes = layout.zero_axes()
+    axes = layout.resolve().zero
     return ZeRO1(axes) if axes else None
 
 
@@ -57,7 +57,7 @@ def setup(spec: str, zero: bool, grad_accum: int = 1):
     layout = Layout(spec, zero=zero)
     state = _state(layout)
     step = make_train_step(
-        _loss, ADAMW, mesh=layout.mesh(), batch_spec=layout.batch_spec(), clip_norm=1.0,
+        _loss, ADAMW, mesh=layout.mesh(), batch_spec=layout.resolve().batch_spec, clip_norm=1.0,
         donate=False, grad_accum=grad_accum, opt_sharding=_zero1(layout),
     )  # fmt: skip
     return layout, state, step.compile(state, _data(0)), step
@@ -202,7 +202,7 @@ def test_zero_checkpoint_restores_across_layouts(tmp_path):
 
 def test_zero_errors():
     with pytest.raises(MeshError, match="--zero"):
-        Layout("fsdp=8", zero=True).parallelism()
+        Layout("fsdp=8", zero=True).resolve()
     mesh = es.make_mesh("dp=8")
     with pytest.raises(LayerConfigError, match="'pp'"):
         make_train_step(_loss, ADAMW, mesh=mesh, batch_spec=P("dp"), opt_sharding=ZeRO1("pp"))

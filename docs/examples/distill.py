@@ -347,7 +347,7 @@ def main(
     key_teacher, key_student = jax.random.split(jax.random.key(seed))
 
     # ---- The teacher: built tensor parallel on devices 0-3, briefly trained there.
-    teacher_par = TEACHER_LAYOUT.parallelism(4)
+    teacher_par = TEACHER_LAYOUT.resolve(4)
     teacher_opt = optax.adam(lr)
     teacher_state: TrainState = init_train_state(
         lambda k: GPT(PRESETS[teacher_model], teacher_par, key=k),
@@ -355,7 +355,7 @@ def main(
     )  # fmt: skip
     teacher_step = make_train_step(
         lambda m, b, k: m.loss(b, k), teacher_opt,
-        mesh=teacher_mesh, batch_spec=TEACHER_LAYOUT.batch_spec(4),  # P(): tp only
+        mesh=teacher_mesh, batch_spec=TEACHER_LAYOUT.resolve(4).batch_spec,  # P(): tp only
     )  # fmt: skip
     teacher_losses = []
     teacher_start = time.perf_counter()
@@ -373,7 +373,7 @@ def main(
         )
 
     # ---- The student: built data parallel on devices 4-7.
-    student_par = STUDENT_LAYOUT.parallelism(4)
+    student_par = STUDENT_LAYOUT.resolve(4)
     student_opt = optax.adam(lr)
     state: TrainState = init_train_state(
         lambda k: GPT(PRESETS[student_model], student_par, key=k),

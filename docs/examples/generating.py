@@ -21,7 +21,7 @@ def model_on(spec):
     """The model under a layout, born sharded (the same parameters on every layout)."""
     layout = es.Layout(spec).resolve()
     mesh = layout.mesh()
-    model = es.sharded_init(lambda k: GPT(config, layout.parallelism, key=k), jax.random.key(0), mesh=mesh)
+    model = es.sharded_init(lambda k: GPT(config, layout, key=k), jax.random.key(0), mesh=mesh)
     return model, mesh
 # --8<-- [end:setup]
 

@@ -44,22 +44,22 @@ SOURCE = ROOT / "tests" / "fixtures" / "hf" / "llama3"  # config.json + safetens
 # --8<-- [start:load]
 def logits_under(layout: es.Layout, model, ids):
     """The logits `[B, T, V]` of `model` on `ids` in the local view of `layout`."""
-    resolved = layout.resolve()
-    par, batch = resolved.parallelism, resolved.batch_spec
-    vocab = "tp" if "tp" in resolved.axes else None
+    par = layout.resolve()  # axes, roles, batch spec, mesh: one value
+    batch = par.batch_spec
+    vocab = "tp" if "tp" in par.axes else None
 
     def body(model, ids):
         logits = model(ids.value)  # f32[B/data, T, V/tp]
         return from_last_stage(logits, par.pipeline) if par.pipeline else logits
 
-    call = es.filter_shard_map(body, mesh=resolved.mesh(), out_specs=P(batch[0] if len(batch) else None, None, vocab))
+    call = es.filter_shard_map(body, mesh=par.mesh(), out_specs=P(batch[0] if len(batch) else None, None, vocab))
     return np.asarray(eqx.filter_jit(call)(model, es.Sharded(jnp.asarray(ids), batch)))
 
 
 expected = np.load(SOURCE / "expected.npz")  # what transformers computed
 for spec in ("fsdp=8", "tp=4", "fsdp=4,tp=2", "pp=2,dp=2,tp=2"):
     layout = es.Layout(spec)
-    model = load_hf(str(SOURCE), layout.parallelism(), layout.mesh())
+    model = load_hf(str(SOURCE), layout.resolve(), layout.mesh())
     logits = logits_under(layout, model, expected["ids"])
     error = np.abs(logits - expected["logits"]).max()
     print(f"{spec:16s} max |logits - transformers'| = {error:.1e}")
@@ -68,8 +68,8 @@ for spec in ("fsdp=8", "tp=4", "fsdp=4,tp=2", "pp=2,dp=2,tp=2"):
 
 # --8<-- [start:finetune]
 layout = es.Layout("fsdp=4,tp=2")
-model = load_hf(str(SOURCE), layout.parallelism(), layout.mesh())
-batch_spec = layout.batch_spec()
+model = load_hf(str(SOURCE), layout.resolve(), layout.mesh())
+batch_spec = layout.resolve().batch_spec
 
 
 @eqx.filter_jit
@@ -95,7 +95,7 @@ for step in range(3):
 out = pathlib.Path(tempfile.mkdtemp()) / "llama3-finetuned"
 export_hf(model, str(out), hf_config=read_hf_config(str(SOURCE)), tokenizer_from=str(SOURCE))
 print(sorted(p.name for p in out.iterdir()))
-again = load_hf(str(out), es.Layout("tp=4").parallelism(), es.Layout("tp=4").mesh())
+again = load_hf(str(out), es.Layout("tp=4").resolve(), es.Layout("tp=4").mesh())
 print("exported and reloaded under tp=4: logits max difference",
       f"{np.abs(logits_under(es.Layout('tp=4'), again, expected['ids']) - logits_under(layout, model, expected['ids'])).max():.1e}")
 # --8<-- [end:export]

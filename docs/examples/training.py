@@ -45,9 +45,10 @@ optimizer = optax.adamw(3e-3)
 
 def setup(spec, zero=False):
     """Mesh, initial state and train step of the GPT under a layout."""
-    layout = Layout(spec, zero=zero)  # zero: optimizer state split over dp (below)
-    mesh = layout.mesh()
-    parallelism = layout.parallelism()  # which axes the model uses, and how
+    # zero: optimizer state split over dp (below). resolve() checks the layout once and
+    # gives the one value everything reads: axes, roles, batch spec, ZeRO axis, mesh.
+    parallelism = Layout(spec, zero=zero).resolve()
+    mesh = parallelism.mesh()
 
     def make_model(key):
         return GPT(config, parallelism, key=key)
@@ -58,8 +59,8 @@ def setup(spec, zero=False):
     # The optimizer state's layout is one of the step's parts, a value: Mirror() (the
     # default) or ZeRO1("dp"), the state split over dp (below).
     step = make_train_step(
-        loss_fn, optimizer, mesh=mesh, batch_spec=layout.batch_spec(), clip_norm=1.0,
-        opt_sharding=ZeRO1(layout.zero_axes()) if zero else Mirror(),
+        loss_fn, optimizer, mesh=mesh, batch_spec=parallelism.batch_spec, clip_norm=1.0,
+        opt_sharding=ZeRO1(parallelism.zero) if parallelism.zero else Mirror(),
     )
 
     def init():  # born sharded in the step's layout; the same parameters on every layout

@@ -61,12 +61,12 @@ for masking in (True, False):
 # --8<-- [start:train]
 def train_on(spec, layout_options=None, steps=4):
     layout = es.Layout(spec, **(layout_options or {}))
-    mesh, par = layout.mesh(), layout.parallelism()
+    mesh, par = layout.mesh(), layout.resolve()
     files = TokenFiles(work / "data", seq_len=128, cp=par.size(par.context))
     optimizer = optax.adamw(3e-3)
     state = init_train_state(lambda k: GPT(config, par, key=k), optimizer, jax.random.key(0), mesh=mesh)
-    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.batch_spec())
-    sharding = jax.sharding.NamedSharding(mesh, layout.batch_spec())
+    step = make_train_step(lambda m, b, k: m.loss(b, k), optimizer, mesh=mesh, batch_spec=layout.resolve().batch_spec)
+    sharding = jax.sharding.NamedSharding(mesh, layout.resolve().batch_spec)
     losses = []
     for i in range(steps):
         state, metrics = step(state, batch_at(files, 8 * i, 8, seed=0, sharding=sharding))

@@ -321,7 +321,7 @@ def generate_from_hf(
     tokenizer = load_tokenizer(folder)
     resolved = Layout(layout).resolve(len(devices) if devices is not None else None)
     mesh = resolved.mesh(devices)
-    model = load_hf(str(folder), resolved.parallelism, mesh)
+    model = load_hf(str(folder), resolved, mesh)
     ids = [tokenizer.encode(p).ids for p in prompts]
     generator = Generator(
         model, mesh, max_len=_cache_length(ids, max_new_tokens, max_len), sampling=sampling, gather=gather,

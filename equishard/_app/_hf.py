@@ -28,7 +28,7 @@ from ..models import (
     load_hf,
     read_hf_config,
 )
-from ..sharding import ResolvedLayout
+from ..sharding import Parallelism
 from ._rundir import LOCK, _alive, _holder
 
 HF_SOURCE = "hf-source"
@@ -37,7 +37,7 @@ Hugging Face checkpoint the run started from."""
 
 
 def init_from_hf(
-    folder: str | os.PathLike[str], layout: ResolvedLayout, mesh: Mesh, *,
+    folder: str | os.PathLike[str], layout: Parallelism, mesh: Mesh, *,
     run_dir: str | os.PathLike[str] | None = None, dtype: Any = np.float32, seq_len: int | None = None,
 ) -> tuple[GPTConfig, GPT]:  # fmt: skip
     """The model of `equishard train --init-from DIR`: a `GPT` under `layout` read from
@@ -65,20 +65,20 @@ def init_from_hf(
     """
     folder = os.fspath(folder)
     hf_model_config(folder, layout, seq_len=seq_len)  # refused before any tensor is read
-    model = load_hf(folder, layout.parallelism, mesh, dtype=dtype, seq_len=seq_len)
+    model = load_hf(folder, layout, mesh, dtype=dtype, seq_len=seq_len)
     if run_dir is not None:
         record_hf_source(folder, run_dir)
     return model.config, model
 
 
-def hf_model_config(folder: str | os.PathLike[str], layout: ResolvedLayout, *, seq_len: int | None = None) -> GPTConfig:
+def hf_model_config(folder: str | os.PathLike[str], layout: Parallelism, *, seq_len: int | None = None) -> GPTConfig:
     """The `GPTConfig` of `equishard train --init-from DIR` under `layout`, from
     `DIR/config.json` alone (no tensor read).
 
     **Raises:** `CheckpointError` as `init_from_hf` does.
     """
     folder = os.fspath(folder)
-    par = layout.parallelism
+    par = layout  # the tensor axis pads the vocabulary
     config = gpt_config_from_hf(read_hf_config(folder), vocab_multiple=par.size(par.tensor), seq_len=seq_len)
     if config.real_vocab_size is not None:
         # The fused loss sums over every id: the padding rows would count in its

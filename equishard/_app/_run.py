@@ -48,7 +48,7 @@ from ..models import (
 from ..models._internal import canonical_path, to_single_device
 from ..nn import remat_policy
 from ..report import DeviceProfile, device_profile
-from ..sharding import ResolvedLayout, filter_shard_map, format_param_table, gather
+from ..sharding import Parallelism, filter_shard_map, format_param_table, gather
 from ..train import TrainState, batch_at, export_model
 from ._config import DTYPES, TrainConfig, layout_from_options
 from ._data import ByteCorpus, ByteWindows, corpus_identity, load_stdlib_corpus
@@ -183,7 +183,7 @@ def check_schedule(schedule: optax.Schedule, steps: int, *, breakpoints: tuple[i
         )
 
 
-def _check(config: TrainConfig, layout: ResolvedLayout) -> None:
+def _check(config: TrainConfig, layout: Parallelism) -> None:
     data = layout.data_parallel_size
     per_device = config.batch_size // data if config.batch_size % data == 0 else None
     if per_device is None:
@@ -191,15 +191,14 @@ def _check(config: TrainConfig, layout: ResolvedLayout) -> None:
             f"--batch-size {config.batch_size} is not divisible by the {data} ways the layout "
             f"{config.layout!r} splits the batch."
         )
-    par = layout.parallelism
     if per_device % (config.grad_accum * layout.num_microbatches):
         raise LayerConfigError(
             f"the per-device batch of {per_device} examples does not divide into "
-            f"{config.grad_accum} accumulation steps x {par.num_microbatches} pipeline "
+            f"{config.grad_accum} accumulation steps x {layout.num_microbatches} pipeline "
             f"micro-batches."
         )
-    check_context_split(par, config.seq_len)
-    if not par.pipeline:
+    check_context_split(layout, config.seq_len)
+    if not layout.pipeline:
         given = [
             _option(name) for name, unset in
             (("pipeline_schedule", None), ("microbatches", None), ("pipeline_repeats", 1))
@@ -242,7 +241,7 @@ def check_fits_machine(name: str, model: Any, devices: list) -> None:
         )
 
 
-def _model_and_data(config: TrainConfig, layout: ResolvedLayout, devices: list) -> tuple[GPTConfig, Any]:
+def _model_and_data(config: TrainConfig, layout: Parallelism, devices: list) -> tuple[GPTConfig, Any]:
     """The model's configuration (a preset's, or `--init-from`'s `config.json`) and the
     token data (`--data`, or `None` for the byte corpus), the vocabulary the model's."""
     from ._token_data import load_token_data
@@ -262,7 +261,7 @@ def _model_and_data(config: TrainConfig, layout: ResolvedLayout, devices: list) 
         base = PRESETS[config.model]
     if config.data is None:
         return base, None
-    cp = layout.parallelism.size(layout.parallelism.context)
+    cp = layout.size(layout.context)
     init_vocab = base.vocab_size if config.init_from is not None else None
     tokens = load_token_data(config.data, config.seq_len, cp=cp, init_vocab_size=init_vocab)
     return dataclasses.replace(base, vocab_size=tokens.vocab_size), tokens
@@ -275,10 +274,9 @@ class Run:
         check_options(config)
         self.config = config
         devices = list(jax.devices() if devices is None else devices)
-        self.layout: ResolvedLayout = layout_from_options(config).resolve(len(devices))
+        self.layout: Parallelism = layout_from_options(config).resolve(len(devices))
         self.mesh: Mesh = self.layout.mesh(devices)
         _check(config, self.layout)
-        self.parallelism = self.layout.parallelism
         base, self.tokens = _model_and_data(config, self.layout, devices)
         self.model_config = dataclasses.replace(
             base, remat=config.remat, remat_offload=config.remat_offload,
@@ -307,7 +305,7 @@ class Run:
 
     def unit_order(self) -> list[int]:
         """The model-order index of each stored unit (a circular pipeline deals them)."""
-        par = self.parallelism
+        par = self.layout
         units = self.model_config.n_layers // max(self.model_config.moe_every, 1)
         if not par.pipeline:
             return list(range(units))
@@ -379,7 +377,7 @@ class Run:
         zigzag order), read row by row the same way.
         """
         config = self.config
-        cp = self.parallelism.size(self.parallelism.context)
+        cp = self.layout.size(self.layout.context)
         return batch_at(
             ByteWindows(data, config.seq_len, config.seed), position, config.batch_size,
             seed=config.seed, sharding=self.batch_sharding, shuffle=False,

@@ -246,7 +246,7 @@ def load_hf(
 
     - `folder`: `config.json` and `model.safetensors` (or several files with
       `model.safetensors.index.json`).
-    - `parallelism`: the layout's (`Layout.parallelism()`); the vocabulary is padded to
+    - `parallelism`: the layout resolved (`Layout.resolve()`); the vocabulary is padded to
       a multiple of its tensor axis.
     - `mesh`: the layout's mesh.
     - `dtype`: the parameters' dtype (bf16 tensors are cast to it).

@@ -50,7 +50,7 @@ from ..core import BLOCKWISE_THRESHOLD, DEFAULT_BLOCK_SIZE
 from ..core._internal import default_chunk_size
 from ..nn import REMAT_POLICIES
 from ..report import MemoryEstimate
-from ..sharding import Layout, ParamRow, ResolvedLayout
+from ..sharding import Layout, Parallelism, ParamRow
 from ..sharding._internal import resolve_layout
 from ._gpt import GPTConfig
 from ._minimum import _is_unit, _setting
@@ -105,7 +105,7 @@ def _per_layer(config: GPTConfig, t: float, tp: int, sp: bool, scores: float, it
 
 def gpt_memory(
     config: GPTConfig,
-    layout: Layout | ResolvedLayout,
+    layout: Layout | Parallelism,
     *,
     batch_size: int,
     seq_len: int,
@@ -133,9 +133,7 @@ def gpt_memory(
 
     A `MemoryEstimate`.
     """
-    layout = resolve_layout(layout, num_devices)
-    if layout.layout.roles:  # read in the conventional axis names (only names change)
-        layout = layout.layout.conventional().resolve(layout.num_devices)
+    layout = resolve_layout(layout, num_devices).conventional()  # read in the conventional axis names
     s = _setting(config, layout, batch_size, seq_len)
     itemsize = params[0].total_bytes // max(math.prod(params[0].shape), 1) if params else 4
     t = s.tokens / s.microbatches

@@ -100,7 +100,7 @@ from ..core import expert_capacity, pipeline_schedule, schedule_weights
 from ..nn import RMSNorm
 from ..report import Minimum, Term, expert_parallel_minimum, pipeline_minimum
 from ..report._internal import ring_fraction as _ring
-from ..sharding import Layout, ParamRow, ResolvedLayout, is_sharded, param_table, path_str
+from ..sharding import Layout, Parallelism, ParamRow, is_sharded, param_table, path_str
 from ..sharding._internal import resolve_layout, spec_axes, zero_spec
 from ._gpt import GPT, GPTConfig, canonical_path
 
@@ -155,9 +155,8 @@ class _Setting:
         return moe * (self.config.n_layers // k)
 
 
-def _setting(config: GPTConfig, layout: ResolvedLayout, batch_size: int, seq_len: int) -> _Setting:
-    par = layout.parallelism
-    sizes = dict(zip(par.axes, par.sizes))
+def _setting(config: GPTConfig, par: Parallelism, batch_size: int, seq_len: int) -> _Setting:
+    sizes = par.shape
     data = math.prod(sizes[a] for a in par.data_axes)
     cp = par.size(par.context)
     tokens = batch_size * seq_len // (data * cp)
@@ -183,7 +182,7 @@ def _setting(config: GPTConfig, layout: ResolvedLayout, batch_size: int, seq_len
         activation=float(tokens * config.d_model * F32),
         explicit=not differentiated_scan(par.pipeline_schedule),
         schedule=par.pipeline_schedule,
-        zero=sizes[layout.zero] if layout.zero else 1,
+        zero=par.size(par.zero),
         min_weight_size=par.fsdp_min_weight_size,
     )
 
@@ -566,7 +565,7 @@ def _scalar_terms(rows: Sequence[ParamRow], s: _Setting) -> list[Term]:
 
 
 def gpt_param_rows(
-    config: GPTConfig, layout: Layout | ResolvedLayout, num_devices: int | None = None
+    config: GPTConfig, layout: Layout | Parallelism, num_devices: int | None = None
 ) -> list[ParamRow]:
     """The per-parameter table of the reference GPT under `layout`, from shapes alone.
 
@@ -582,14 +581,13 @@ def gpt_param_rows(
     is allocated and no devices are needed.
     """
     resolved = resolve_layout(layout, num_devices)
-    return _param_rows(_abstract_gpt(config, resolved), resolved.axes)
+    return _param_rows(_abstract_gpt(config, resolved), resolved.shape)
 
 
-def _abstract_gpt(config: GPTConfig, layout: ResolvedLayout) -> GPT:
+def _abstract_gpt(config: GPTConfig, layout: Parallelism) -> GPT:
     """The GPT under `layout` as shapes (no devices needed)."""
-    axes = layout.axes
-    with jax.sharding.use_abstract_mesh(AbstractMesh(tuple(axes.values()), tuple(axes))):
-        return eqx.filter_eval_shape(lambda: GPT(config, layout.parallelism, key=jax.random.key(0)))
+    with jax.sharding.use_abstract_mesh(AbstractMesh(layout.sizes, layout.axes)):
+        return eqx.filter_eval_shape(lambda: GPT(config, layout, key=jax.random.key(0)))
 
 
 def _param_rows(tree: Any, sizes: Mapping[str, int]) -> list[ParamRow]:
@@ -610,7 +608,7 @@ def _renamed(spec: P, names: Mapping[str, str]) -> P:
 
 def gpt_minimum(
     config: GPTConfig,
-    layout: Layout | ResolvedLayout,
+    layout: Layout | Parallelism,
     *,
     batch_size: int,
     seq_len: int,
@@ -636,9 +634,9 @@ def gpt_minimum(
     A `Minimum`.
     """
     layout = resolve_layout(layout, num_devices)
-    if layout.layout.roles:  # the user's axis names: computed in the conventional ones
+    if layout.conventional() != layout:  # the user's axis names: computed in the conventional ones
         named = layout
-        layout = layout.layout.conventional().resolve(layout.num_devices)
+        layout = layout.conventional()
         back = dict(zip(layout.axes, named.axes))  # conventional -> the user's name
         if rows is not None:
             rename = {v: k for k, v in back.items()}
@@ -649,7 +647,7 @@ def gpt_minimum(
     s = _setting(config, layout, batch_size, seq_len)
     model = _abstract_gpt(config, layout)
     if rows is None:
-        rows = _param_rows(model, layout.axes)
+        rows = _param_rows(model, layout.shape)
     terms = [
         *_parameter_terms(rows, s, _gradient_roles(model)),
         *_tensor_terms(s),

@@ -56,8 +56,7 @@ def gpt_report(
         f"{seq_len} tokens; {step.compute_dtype.name} compute, {step.param_dtype.name} "
         f"parameters"
     ) + (f"; {optimizer_name}" if optimizer_name else "")
-    resolved = step.layout
-    par = resolved.parallelism
+    par = step.layout
     weights = None
     schedule = par.pipeline_schedule
     if par.pipeline and schedule is not None and not differentiated_scan(schedule):
@@ -65,9 +64,9 @@ def gpt_report(
         table = pipeline_schedule(schedule, par.num_stages, par.num_microbatches, repeats=par.pipeline_repeats)
         weights = schedule_weights(table)
         description += f"; {schedule} schedule, collectives of the last stage's device"
-    batch_bytes = batch_size // resolved.data_parallel_size * (seq_len + 1) * 4
+    batch_bytes = batch_size // par.data_parallel_size * (seq_len + 1) * 4
     estimate = gpt_memory(
-        config, resolved, batch_size=batch_size, seq_len=seq_len, params=rows,
+        config, par, batch_size=batch_size, seq_len=seq_len, params=rows,
         optimizer_state=param_table(step.state.opt_state, step.mesh),
         other_arguments=batch_bytes + 3 * 4 + 8,
     )  # fmt: skip

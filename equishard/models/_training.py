@@ -25,7 +25,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._errors import LayerConfigError, MeshError
 from ..report._internal import abstract_state, lower_from_shapes
-from ..sharding import Layout, ResolvedLayout
+from ..sharding import Layout, Parallelism
 from ..sharding._internal import resolve_layout
 from ..train import (
     MixedPrecision,
@@ -100,7 +100,7 @@ class GPTTraining:
 
 def gpt_training(
     config: GPTConfig,
-    layout: ResolvedLayout,
+    layout: Parallelism,
     mesh: Mesh,
     optimizer: optax.GradientTransformation,
     *,
@@ -114,8 +114,8 @@ def gpt_training(
     **Arguments:**
 
     - `config`: the model's `GPTConfig`.
-    - `layout`: the `ResolvedLayout` (`Layout.resolve`): the model's `Parallelism`, the
-      batch's spec and the optimizer state's split.
+    - `layout`: the resolved layout (`Layout.resolve`, a `Parallelism`): the model's
+      axes, the batch's spec and the optimizer state's split.
     - `mesh`: the mesh of that layout (`layout.mesh(devices)`).
     - `optimizer`: the optax optimizer.
     - `grad_accum`, `clip_norm`: `make_train_step`'s accumulation micro-steps and
@@ -129,7 +129,7 @@ def gpt_training(
 
     A `GPTTraining`.
     """
-    par = layout.parallelism
+    par = layout
 
     def make_model(key: PRNGKeyArray) -> GPT:
         return cast_floating(GPT(config, par, key=key), param_dtype)
@@ -153,7 +153,7 @@ def gpt_training(
 
 
 def check_gpt_layout(
-    config: GPTConfig, layout: Layout | ResolvedLayout, num_devices: int, batch_size: int, seq_len: int
+    config: GPTConfig, layout: Layout | Parallelism, num_devices: int, batch_size: int, seq_len: int
 ) -> None:
     """Check, before anything is traced, that a GPT step fits the layout and devices.
 
@@ -185,7 +185,7 @@ def check_gpt_layout(
             f"the per-device batch of {batch_size // data} sequences does not divide into "
             f"{micro} pipeline micro-batches."
         )
-    par = layout.parallelism
+    par = layout
     check_context_split(par, seq_len)
     mesh = jax.sharding.AbstractMesh(par.sizes, par.axes)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -213,7 +213,7 @@ class AbstractStep:
     state: TrainState
     mesh: Mesh
     config: GPTConfig
-    layout: ResolvedLayout
+    layout: Parallelism
     batch_size: int
     seq_len: int
     lower_seconds: float
@@ -223,7 +223,7 @@ class AbstractStep:
 
 def abstract_train_step(
     config: GPTConfig,
-    layout: Layout | ResolvedLayout,
+    layout: Layout | Parallelism,
     *,
     batch_size: int,
     seq_len: int,
@@ -270,7 +270,7 @@ def abstract_train_step(
     state = abstract_state(lambda: training.init_state(jax.random.key(0)), mesh)
     sharding = NamedSharding(mesh, resolved.batch_spec)
     batch: Any
-    if resolved.parallelism.context:  # inputs, labels and positions [B, S], split over cp too
+    if resolved.context:  # inputs, labels and positions [B, S], split over cp too
         tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
         batch = {"inputs": tokens, "labels": tokens, "positions": tokens}
     else:

@@ -22,7 +22,6 @@ from ._layout import (
     AXES as AXES,
     Layout as Layout,
     Parallelism as Parallelism,
-    ResolvedLayout as ResolvedLayout,
 )
 from ._mesh import make_mesh as make_mesh, parse_layout as parse_layout
 from ._place import gather as gather, shard as shard

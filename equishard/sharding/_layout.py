@@ -4,13 +4,16 @@ A `Layout` is what was asked for (the command line's `--layout` and its options,
 Python API's arguments), in the user's own axis names: each mesh axis plays a role (data,
 fsdp, context, tensor, expert, pipeline), the conventional names `dp`, `fsdp`, `cp`, `tp`,
 `ep`, `pp` by default and any others through `roles` (as Haliax maps logical axes to the
-mesh's once). `Layout.resolve` parses and validates it once, for a number of
-devices, into a `ResolvedLayout`: the axes and their sizes, how a model uses them (a
-`Parallelism`: the batch is split over the data axes `dp`, `fsdp`, `ep`, parameters over
-`fsdp` (FSDP) and `tp` (tensor parallel), experts over `ep`, layers over `pp`
-(pipeline); sequence parallelism runs over `tp`), the batch's spec and the optimizer
-state's split. Every consumer — the command line, the application, the report, the
-GPT — reads that one object; the model code does not change between layouts.
+mesh's once). It may say `-1` for "fill the devices", so it knows its sizes only for a
+number of devices: `Layout.resolve(n)` parses it and returns the one resolved object, a
+`Parallelism` — the axes and their sizes, which axis plays which role (the batch is split
+over the data axes `dp`, `fsdp`, `ep`, parameters over `fsdp` (FSDP) and `tp` (tensor
+parallel), experts over `ep`, layers over `pp` (pipeline); sequence parallelism runs over
+`tp`), the batch's spec, the optimizer state's split and the mesh. Every consumer — the
+command line, the application, the report, the train step, the GPT — reads that one value;
+the model code does not change between layouts. A `Parallelism` checks itself when it is
+made (as torchtitan's `ParallelDims` does), so one built by hand is held to the same rules
+as one resolved from a `Layout`.
 """
 
 from __future__ import annotations
@@ -40,9 +43,20 @@ DATA_ROLES = ("data", "fsdp", "expert")
 """The roles whose axes the batch is split over: data, fully-sharded data, expert."""
 
 
+def _zero_error(spec: str) -> MeshError:
+    return MeshError(
+        f"layout {spec!r}: zero (--zero) splits the optimizer state over the data axis "
+        f"('dp'), which this layout lacks (or has of size 1); under fsdp the optimizer state "
+        f"is already split like the parameters."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Parallelism:
-    """Which mesh axes a model uses, and how: decided by the layout, not the model.
+    """A layout resolved for a number of devices (`Layout.resolve`): the mesh's axes, the
+    role each plays and the options that go with them. The one value the command line, the
+    application, the report, the train step and the model read; a model is built with it
+    (`GPT(config, layout.resolve(), key=key)`). `Parallelism()` is one device.
 
     **Fields:**
 
@@ -51,7 +65,7 @@ class Parallelism:
     - `tensor`: the tensor-parallel axis, or `None`.
     - `fsdp`: the axis parameters are fully sharded over, or `None`.
     - `expert`: the expert axis, or `None`.
-    - `pipeline`: the stage axis, or `None`; with `num_stages`, `num_microbatches`,
+    - `pipeline`: the stage axis, or `None`; with `num_microbatches` (1 without it),
       `pipeline_repeats` (local stages per device) and `pipeline_schedule` (`None`:
       GPipe for one local stage, circular for more; or a name from
       `equishard.core.SCHEDULES`).
@@ -61,6 +75,16 @@ class Parallelism:
       or `None`; `context_impl`: its attention, `"ring"` or `"alltoall"`. The sequence
       splits over `context` first and, with `sequence_parallel`, each part over the
       tensor axis (cp outer, tp inner). See the "Long sequences" guide.
+    - `zero`: the axis the optimizer state is split over (the data axis under
+      `Layout.zero`), or `None`: `ZeRO1(zero)` for `make_train_step` (the model does not
+      change with it).
+
+    **Raises:**
+
+    `MeshError` when the fields disagree: sizes not one per axis, a role's axis not among
+    `axes` or two roles on one axis, sequence parallelism without a tensor axis, an
+    unknown `context_impl`, micro-batches or pipeline repeats below 1, a `zero` axis that
+    is not the data axis or is of size 1.
     """
 
     axes: tuple[str, ...] = ()
@@ -70,7 +94,6 @@ class Parallelism:
     fsdp: str | None = None
     expert: str | None = None
     pipeline: str | None = None
-    num_stages: int = 1
     num_microbatches: int = 1
     pipeline_repeats: int = 1
     pipeline_schedule: str | None = None
@@ -78,20 +101,155 @@ class Parallelism:
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
     context: str | None = None
     context_impl: str = RING
+    zero: str | None = None
+
+    def __post_init__(self) -> None:
+        # Tuples however given (hashable: a model holds this as a static field).
+        for name in ("axes", "sizes", "data_axes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        self._check_roles()
+        self._check_options()
+
+    def _check_roles(self) -> None:
+        """Each role's axis is one of `axes`, and no axis plays two roles."""
+        where = f"layout {self.spec!r}"
+        if len(self.sizes) != len(self.axes) or len(set(self.axes)) != len(self.axes):
+            raise MeshError(
+                f"Parallelism: axes {self.axes} and sizes {self.sizes} must name each axis "
+                f"once, with one size each."
+            )
+        if any(n < 1 for n in self.sizes):
+            raise MeshError(f"{where}: axis sizes must be at least 1, got {self.sizes}.")
+        roles = {
+            "tensor": self.tensor, "fsdp": self.fsdp, "expert": self.expert,
+            "pipeline": self.pipeline, "context": self.context,
+        }  # fmt: skip
+        named = [(role, axis) for role, axis in roles.items() if axis is not None]
+        zero = [("zero", self.zero)] if self.zero else []
+        for role, axis in [*named, *(("data", a) for a in self.data_axes), *zero]:
+            if axis not in self.axes:
+                raise MeshError(f"{where}: the {role} axis {axis!r} is not an axis of the mesh.")
+        seen: dict[str, str] = {}
+        for role, axis in named:
+            if axis in seen:
+                raise MeshError(
+                    f"{where}: the axis {axis!r} plays the roles {seen[axis]!r} and {role!r}; "
+                    f"one role per axis."
+                )
+            seen[axis] = role
+        for role, axis in named:  # the batch splits over fsdp and expert axes, not the others
+            if (axis in self.data_axes) != (role in DATA_ROLES):
+                must = "must" if role in DATA_ROLES else "must not"
+                raise MeshError(f"{where}: the {role} axis {axis!r} {must} be a data axis.")
+        plain = [a for a in self.data_axes if a not in (self.fsdp, self.expert)]
+        if len(plain) > 1:
+            raise MeshError(
+                f"{where}: the axes {plain[0]!r} and {plain[1]!r} both play the role 'data'; "
+                f"one axis per role."
+            )
+
+    def _check_options(self) -> None:
+        """The options against the axes (see the class's **Raises:**)."""
+        where = f"layout {self.spec!r}"
+        if self.context_impl not in CONTEXT_IMPLS:
+            raise MeshError(
+                f"{where}: cp_impl (--cp-impl) {self.context_impl!r} is not one of "
+                f"{', '.join(CONTEXT_IMPLS)}."
+            )
+        if self.sequence_parallel and self.tensor is None:
+            raise MeshError(f"{where}: sequence parallelism needs a tensor axis ('tp').")
+        if self.zero is not None and (self.zero != self.data or self.size(self.zero) < 2):
+            raise _zero_error(self.spec)
+        if self.num_microbatches < 1:
+            raise MeshError(
+                f"{where}: num_microbatches (--microbatches) must be at least 1, got "
+                f"{self.num_microbatches}."
+            )
+        if self.pipeline_repeats < 1:
+            raise MeshError(
+                f"{where}: pipeline_repeats (--pipeline-repeats) must be at least 1, got "
+                f"{self.pipeline_repeats}."
+            )
 
     def size(self, axis: str | None) -> int:
         """The size of `axis` (1 if absent)."""
-        return dict(zip(self.axes, self.sizes)).get(axis, 1) if axis else 1
+        return self.shape.get(axis, 1) if axis else 1
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The axes and their sizes, in order (as `jax.sharding.Mesh.shape`)."""
+        return dict(zip(self.axes, self.sizes))
+
+    @property
+    def spec(self) -> str:
+        """The axes as a layout string, `"dp=2,fsdp=2,tp=2"` (sizes resolved)."""
+        return ",".join(f"{a}={n}" for a, n in zip(self.axes, self.sizes))
+
+    @property
+    def num_devices(self) -> int:
+        """The devices the mesh uses: the product of the axis sizes."""
+        return math.prod(self.sizes)
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline's stages: the size of the pipeline axis (1 without one)."""
+        return self.size(self.pipeline)
+
+    @property
+    def data(self) -> str | None:
+        """The axis that plays the data role (a data axis neither FSDP nor expert), or
+        `None`."""
+        return next((a for a in self.data_axes if a not in (self.fsdp, self.expert)), None)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways the batch is split: the product of the data axes' sizes."""
+        return math.prod(self.size(a) for a in self.data_axes)
+
+    @property
+    def batch_spec(self) -> P:
+        """The spec of a global batch `[B, ...]`, split over the data axes; with a context
+        axis the batch's arrays are `[B, S]` (inputs, labels, positions) and the sequence is
+        split over it too: `P(data, "cp")`."""
+        data = self.data_axes or None
+        return P(data, self.context) if self.context else P(data) if data else P()
+
+    def mesh(self, devices: list | None = None) -> Mesh:
+        """The device mesh on the first `num_devices` of `devices` (default: all of
+        JAX's devices)."""
+        devices = list(jax.devices() if devices is None else devices)
+        return make_mesh(self.shape, devices=devices[: self.num_devices])
+
+    def conventional(self) -> Parallelism:
+        """This parallelism with its axes renamed to the conventional names of their roles
+        (`replica=2,model=4` with roles data and tensor: `dp=2,tp=4`), for readers that
+        speak the conventional names (the GPT's analytical minimum and memory estimate);
+        itself when it already uses them."""
+        by_role = {"fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
+        by_role |= {"expert": self.expert, "pipeline": self.pipeline, "data": self.data}
+        names = {axis: name for name, role in zip(AXES, ROLES) if (axis := by_role[role]) is not None}
+        if all(names.get(a, a) == a for a in self.axes):
+            return self
+
+        def rename(axis: str | None) -> str | None:
+            return None if axis is None else names.get(axis, axis)
+
+        return dataclasses.replace(
+            self, axes=tuple(names.get(a, a) for a in self.axes),
+            data_axes=tuple(names.get(a, a) for a in self.data_axes), tensor=rename(self.tensor),
+            fsdp=rename(self.fsdp), expert=rename(self.expert), pipeline=rename(self.pipeline),
+            context=rename(self.context), zero=rename(self.zero),
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A parallel layout: mesh axes and the options that go with them.
+    """A parallel layout as the user writes it: mesh axes and the options that go with them.
 
     **Fields:**
 
-    - `spec`: the axes, e.g. `"dp=2,fsdp=2,tp=2"` (names from `AXES`; one size may be
-      -1 to fill the devices).
+    - `spec`: the axes, e.g. `"dp=2,fsdp=2,tp=2"` (names from `AXES`, or others given a
+      role by `roles`; one size may be -1 to fill the devices).
     - `sequence_parallel`: split activations over the sequence on `tp` between
       sub-layers (Megatron sequence parallelism).
     - `num_microbatches`: micro-batches per step with a `pp` axis (default: the number
@@ -112,9 +270,8 @@ class Layout:
       `"replica=2,shard=2,model=2"` (roles from `ROLES`; the conventional names `AXES`
       keep their own roles unless named here). Each role is played by one axis at most.
 
-    `resolve` parses and validates the layout once; the other methods are shorthands
-    for one field of it (each resolves anew: a program that reads several resolves once
-    and keeps the `ResolvedLayout`).
+    `resolve(n)` gives the `Parallelism` for `n` devices: what everything else reads
+    (resolve once and keep it); `mesh(devices)` is `resolve(len(devices)).mesh(devices)`.
     """
 
     spec: str
@@ -131,73 +288,55 @@ class Layout:
         # Hashable and order-free, however it was given.
         object.__setattr__(self, "roles", tuple(sorted(dict(self.roles).items())))
 
-    def conventional(self) -> "Layout":
-        """This layout with its axes renamed to the conventional names of their roles
-        (`replica=2,model=4` with roles data and tensor: `dp=2,tp=4`), for readers that
-        speak the conventional names (the GPT's analytical minimum)."""
-        names = {role: axis for axis, role in DEFAULT_ROLES.items()}
-        roles = self.role_of()
-        parts = []
-        for part in self.spec.split(","):
-            axis, sep, size = part.partition("=")
-            role = roles.get(axis.strip())
-            parts.append(f"{names[role]}={size}" if sep and role in names else part)
-        return dataclasses.replace(self, spec=",".join(parts), roles=())
-
     def role_of(self) -> dict[str, str]:
         """Each axis name's role, from `roles` over the defaults (unchecked)."""
         given = dict(self.roles)
         return {**DEFAULT_ROLES, **given}
 
-    def resolve(self, num_devices: int | None = None) -> ResolvedLayout:
-        """Parse and validate the layout for `num_devices` devices (default: all of
-        JAX's): the one place a layout is checked.
+    def resolve(self, num_devices: int | None = None) -> Parallelism:
+        """Parse the layout for `num_devices` devices (default: all of JAX's) and map its
+        axes to their roles.
 
         **Returns:**
 
-        The `ResolvedLayout`.
+        The `Parallelism` (which checks the options against the axes as it is made).
 
         **Raises:**
 
         `MeshError` naming the layout and the option at fault: a malformed or unknown
-        axis (see `parse_layout`), an unknown `cp_impl`, sequence parallelism without
-        `tp`, `zero` without a `dp` axis of size 2 or more, micro-batches or pipeline
-        repeats below 1.
+        axis (see `parse_layout`), an axis without a role or two axes in one role, an
+        unknown `cp_impl`, sequence parallelism without `tp`, `zero` without a `dp` axis
+        of size 2 or more, micro-batches or pipeline repeats below 1.
         """
         axes = parse_layout(self.spec, num_devices)
-        named = self._check(axes)  # role -> the axis playing it
+        named = self._named(axes)  # role -> the axis playing it
+        if self.zero and "data" not in named:
+            raise _zero_error(self.spec)
         pipeline = named.get("pipeline")
         pp = axes[pipeline] if pipeline else None
+        micro = self.num_microbatches if self.num_microbatches is not None else pp or 1
         role_of_axis = {axis: role for role, axis in named.items()}  # every axis has one (checked)
-        data_axes = tuple(a for a in axes if role_of_axis[a] in DATA_ROLES)
-        parallelism = Parallelism(
+        return Parallelism(
             axes=tuple(axes),
             sizes=tuple(axes.values()),
-            data_axes=data_axes,
+            data_axes=tuple(a for a in axes if role_of_axis[a] in DATA_ROLES),
             tensor=named.get("tensor"),
             fsdp=named.get("fsdp"),
             expert=named.get("expert"),
             pipeline=pipeline,
-            num_stages=pp or 1,
-            num_microbatches=(self.num_microbatches or pp or 1) if pp else 1,
+            # 1 without pp; a count below 1 is refused (by Parallelism) with or without pp
+            num_microbatches=micro if pp or micro < 1 else 1,
             pipeline_repeats=self.pipeline_repeats,
             pipeline_schedule=self.pipeline_schedule,
             sequence_parallel=self.sequence_parallel,
             fsdp_min_weight_size=self.fsdp_min_weight_size,
             context=named.get("context"),
             context_impl=self.cp_impl,
-        )
-        data = data_axes or None
-        return ResolvedLayout(
-            layout=self,
-            parallelism=parallelism,
             zero=named.get("data") if self.zero else None,
-            batch_spec=P(data, parallelism.context) if parallelism.context else P(data) if data else P(),
-            data_parallel_size=math.prod(axes[a] for a in data_axes),
         )
 
-    def _check(self, axes: dict[str, int]) -> dict[str, str]:
-        """The options against the parsed axes (see `resolve`); each role's axis."""
+    def _named(self, axes: dict[str, int]) -> dict[str, str]:
+        """Each role's axis (see `resolve`): every axis has a known role, one per role."""
         roles = self.role_of()
         bad = [(a, r) for a, r in dict(self.roles).items() if r not in ROLES]
         if bad:
@@ -221,38 +360,7 @@ class Layout:
                     f"play the role {roles[axis]!r}; one axis per role."
                 )
             named[roles[axis]] = axis
-        self._check_options(axes, named)
         return named
-
-    def _check_options(self, axes: dict[str, int], named: dict[str, str]) -> None:
-        """The options against the axes that play their roles (see `resolve`)."""
-        if self.cp_impl not in CONTEXT_IMPLS:
-            raise MeshError(
-                f"layout {self.spec!r}: cp_impl (--cp-impl) {self.cp_impl!r} is not one of "
-                f"{', '.join(CONTEXT_IMPLS)}."
-            )
-        if self.sequence_parallel and "tensor" not in named:
-            raise MeshError(f"layout {self.spec!r}: sequence parallelism needs a tensor axis ('tp').")
-        if self.zero and axes.get(named.get("data", ""), 1) < 2:
-            raise MeshError(
-                f"layout {self.spec!r}: zero (--zero) splits the optimizer state over the "
-                f"data axis ('dp'), which this layout lacks (or has of size 1); under fsdp the "
-                f"optimizer state is already split like the parameters."
-            )
-        if self.num_microbatches is not None and self.num_microbatches < 1:
-            raise MeshError(
-                f"layout {self.spec!r}: num_microbatches (--microbatches) must be at least 1, "
-                f"got {self.num_microbatches}."
-            )
-        if self.pipeline_repeats < 1:
-            raise MeshError(
-                f"layout {self.spec!r}: pipeline_repeats (--pipeline-repeats) must be at least "
-                f"1, got {self.pipeline_repeats}."
-            )
-
-    def axes(self, num_devices: int | None = None) -> dict[str, int]:
-        """The axes and their sizes, validated: `resolve(num_devices).axes`."""
-        return self.resolve(num_devices).axes
 
     def mesh(self, devices: list | None = None) -> Mesh:
         """The device mesh (the first devices of `devices`, default all):
@@ -260,91 +368,22 @@ class Layout:
         devices = list(jax.devices() if devices is None else devices)
         return self.resolve(len(devices)).mesh(devices)
 
-    def parallelism(self, num_devices: int | None = None) -> Parallelism:
-        """How a model uses the mesh of this layout: `resolve(num_devices).parallelism`."""
-        return self.resolve(num_devices).parallelism
 
-    def zero_axes(self, num_devices: int | None = None) -> str | None:
-        """The axis the optimizer state is split over under `zero` (`"dp"`), or `None`:
-        `resolve(num_devices).zero`, the `zero=` of `init_train_state` and
-        `make_train_step` (the model does not change with it)."""
-        return self.resolve(num_devices).zero
-
-    def batch_spec(self, num_devices: int | None = None) -> P:
-        """The spec of a global batch `[B, ...]`: `resolve(num_devices).batch_spec`."""
-        return self.resolve(num_devices).batch_spec
-
-    def data_parallel_size(self, num_devices: int | None = None) -> int:
-        """How many ways the batch is split: `resolve(num_devices).data_parallel_size`."""
-        return self.resolve(num_devices).data_parallel_size
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedLayout:
-    """A `Layout` parsed and validated for a number of devices (`Layout.resolve`): what
-    the command line, the application, the report and the model read.
-
-    **Fields:**
-
-    - `layout`: the `Layout` it was resolved from (its `spec` names it in messages).
-    - `parallelism`: how a model uses the mesh (the `Parallelism` a model is built with).
-    - `zero`: the axis the optimizer state is split over (`"dp"` under `Layout.zero`),
-      or `None`: the `zero=` of `init_train_state` and `make_train_step`.
-    - `batch_spec`: the spec of a global batch `[B, ...]`, split over the data axes;
-      with a `cp` axis the batch's arrays are `[B, S]` (inputs, labels, positions) and
-      the sequence is split over `cp` too: `P(data, "cp")`.
-    - `data_parallel_size`: how many ways the batch is split.
-    """
-
-    layout: Layout
-    parallelism: Parallelism
-    zero: str | None
-    batch_spec: P
-    data_parallel_size: int
-
-    @property
-    def spec(self) -> str:
-        """The layout as it was written (`Layout.spec`)."""
-        return self.layout.spec
-
-    @property
-    def axes(self) -> dict[str, int]:
-        """The axes and their sizes, in order."""
-        return dict(zip(self.parallelism.axes, self.parallelism.sizes))
-
-    @property
-    def num_devices(self) -> int:
-        """The devices the mesh uses: the product of the axis sizes."""
-        return math.prod(self.parallelism.sizes)
-
-    @property
-    def num_microbatches(self) -> int:
-        """The pipeline's micro-batches per step (1 without `pp`)."""
-        par = self.parallelism
-        return par.num_microbatches if par.pipeline else 1
-
-    def mesh(self, devices: list | None = None) -> Mesh:
-        """The device mesh on the first `num_devices` of `devices` (default: all of
-        JAX's devices)."""
-        devices = list(jax.devices() if devices is None else devices)
-        return make_mesh(self.axes, devices=devices[: self.num_devices])
-
-
-def resolve_layout(layout: Layout | ResolvedLayout, num_devices: int | None = None) -> ResolvedLayout:
+def resolve_layout(layout: Layout | Parallelism, num_devices: int | None = None) -> Parallelism:
     """`layout` resolved for `num_devices`, or as it is if it already is.
 
     **Arguments:**
 
-    - `layout`: a `Layout` or a `ResolvedLayout`.
+    - `layout`: a `Layout` or a `Parallelism`.
     - `num_devices`: the devices it fills. Default: the layout's own size (the product
       of its axis sizes: the analytical reports need no devices), or all of JAX's
       devices when an axis is `-1`.
 
     **Returns:**
 
-    The `ResolvedLayout`.
+    The `Parallelism`.
     """
-    if isinstance(layout, ResolvedLayout):
+    if isinstance(layout, Parallelism):
         return layout
     fills = any(part.partition("=")[2].strip() == "-1" for part in layout.spec.split(","))
     if num_devices is None and not fills:
