@@ -82,14 +82,11 @@ def test_fully_split_gpt_trains_as_on_one_device():
     batch = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, 256)
     results = []
     for layout in (Layout("dp=1"), Layout("dp=2,fsdp=4", fsdp_min_weight_size=0)):
-        mesh = layout.mesh(jax.devices()[: math.prod(layout.resolve().shape.values())])
+        par = layout.resolve()
+        mesh = par.mesh()  # its own devices: the first 1 or 8
         sgd = optax.sgd(0.5)
-        state = init_train_state(
-            lambda k: GPT(config, layout.resolve(), key=k), sgd, jax.random.key(0), mesh=mesh
-        )
-        step = make_train_step(
-            lambda m, b, k: m.loss(b, k), sgd, mesh=mesh, batch_spec=layout.resolve().batch_spec
-        )
+        state = init_train_state(lambda k: GPT(config, par, key=k), sgd, jax.random.key(0), mesh=mesh)
+        step = make_train_step(lambda m, b, k: m.loss(b, k), sgd, mesh=mesh, batch_spec=par.batch_spec)
         losses = []
         for _ in range(2):
             state, metrics = step(state, batch)

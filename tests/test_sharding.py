@@ -3,6 +3,7 @@ make_mesh, mesh-invariant initialisation, and the validation errors."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import equinox as eqx
@@ -429,7 +430,9 @@ def test_a_layout_resolves_to_its_axes_roles_and_batch_spec(case):
         sequence_parallel=layout.sequence_parallel, pipeline_schedule=layout.pipeline_schedule,
         context_impl=layout.cp_impl,
     )  # fmt: skip
-    assert by_hand == par and hash(by_hand) == hash(par)
+    assert by_hand == par and hash(by_hand) == hash(par) and by_hand.zero == par.zero
+    # ZeRO does not change the model: a model built with and without it has one structure.
+    assert dataclasses.replace(par, zero=None) == par
 
 
 def test_a_parallelism_in_the_users_names_reads_in_the_conventional_ones():
@@ -440,7 +443,7 @@ def test_a_parallelism_in_the_users_names_reads_in_the_conventional_ones():
         axes=("dp", "fsdp", "tp"), sizes=(2, 2, 2), data_axes=("dp", "fsdp"), tensor="tp",
         fsdp="fsdp", sequence_parallel=True, zero="dp",
     )  # fmt: skip
-    assert par.data == "replica" and par.conventional() == expected
+    assert par.data == "replica" and par.conventional() == expected and par.conventional().zero == "dp"
     assert expected.conventional() is expected
     assert dict(layout.mesh().shape) == {"replica": 2, "shard": 2, "model": 2}
 

@@ -76,8 +76,8 @@ class Parallelism:
       splits over `context` first and, with `sequence_parallel`, each part over the
       tensor axis (cp outer, tp inner). See the "Long sequences" guide.
     - `zero`: the axis the optimizer state is split over (the data axis under
-      `Layout.zero`), or `None`: `ZeRO1(zero)` for `make_train_step` (the model does not
-      change with it).
+      `Layout.zero`), or `None`: `ZeRO1(zero)` for `make_train_step`. The model does not
+      change with it, so it takes no part in equality (nor in a model's pytree structure).
 
     **Raises:**
 
@@ -101,7 +101,9 @@ class Parallelism:
     fsdp_min_weight_size: int = DEFAULT_MIN_WEIGHT_SIZE
     context: str | None = None
     context_impl: str = RING
-    zero: str | None = None
+    # Not compared or hashed: the model does not change with it, so a model built with and
+    # without it has one pytree structure (a model holds its Parallelism as a static field).
+    zero: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Tuples however given (hashable: a model holds this as a static field).
