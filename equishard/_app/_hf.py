@@ -78,14 +78,14 @@ def hf_model_config(folder: str | os.PathLike[str], layout: Parallelism, *, seq_
     **Raises:** `CheckpointError` as `init_from_hf` does.
     """
     folder = os.fspath(folder)
-    par = layout  # the tensor axis pads the vocabulary
-    config = gpt_config_from_hf(read_hf_config(folder), vocab_multiple=par.size(par.tensor), seq_len=seq_len)
+    tp = layout.size(layout.tensor)  # the vocabulary is padded to a multiple of it
+    config = gpt_config_from_hf(read_hf_config(folder), vocab_multiple=tp, seq_len=seq_len)
     if config.real_vocab_size is not None:
         # The fused loss sums over every id: the padding rows would count in its
         # partition function (and be trained). Refused rather than silently off.
         raise CheckpointError(
             f"--init-from {folder}: the vocabulary of {config.real_vocab_size} ids does not "
-            f"divide the tensor-parallel axis {par.tensor!r} of size {par.size(par.tensor)}; "
+            f"divide the tensor-parallel axis {layout.tensor!r} of size {tp}; "
             f"padding it would add the padding ids to the training loss. Choose a layout "
             f"whose tp divides {config.real_vocab_size}."
         )
