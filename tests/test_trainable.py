@@ -250,6 +250,13 @@ def test_bool_tree_filter_equals_path_filter():
     spec = jax.tree.map(lambda _: True, model)
     spec = eqx.tree_at(lambda m: (m.embed, m.units.blocks[0].mlp), spec, (False, False))
     assert trainable_mask(model, spec).flags == trainable_mask(model, trained).flags
+    # By regular expressions (as a command line gives them), printable.
+    patterns = Trainable.matching(freeze=r"^embed|\.mlp\.")
+    assert trainable_mask(model, patterns).flags == trainable_mask(model, trained).flags
+    assert "freeze='^embed|\\\\.mlp" in repr(patterns)
+    assert sum(trainable_mask(model, Trainable.matching(train="norm")).flags) == 3
+    with pytest.raises(LayerConfigError, match=r"freeze='\(' is not a regular expression"):
+        Trainable.matching(freeze="(")
     again = init_train_state(
         lambda k: GPT(CONFIG, Layout("dp=8").parallelism(), key=k), OPTIMIZER, KEY, mesh=step.mesh,
         opt_sharding=step.opt_sharding, trainable=Trainable(spec),

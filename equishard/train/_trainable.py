@@ -10,6 +10,7 @@ the update reads alike.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -97,8 +98,9 @@ def _mismatch(spec: PyTree, model: PyTree) -> str:
 
 
 def _is_filter(x: Any) -> bool:
-    """Whether `x` is a filter function (a callable that is not a module)."""
-    return callable(x) and not isinstance(x, eqx.Module)
+    """Whether `x` is a filter function (a callable that is not a model: a pattern filter
+    is a module, a model's pytree of flags is not callable as one)."""
+    return callable(x) and (not isinstance(x, eqx.Module) or isinstance(x, _Patterns))
 
 
 def _is_flag(x: Any) -> bool:
@@ -155,6 +157,19 @@ class Trainable(eqx.Module):
         if isinstance(spec, Trainable):
             spec = spec.spec
         self.spec = spec
+
+    @classmethod
+    def matching(cls, train: str | None = None, freeze: str | None = None) -> "Trainable":
+        r"""A filter by regular expressions searched in each array's path: an array is
+        trainable if `train` matches its path (`None`: every path) and `freeze` does not
+        (`None`: none), e.g. `Trainable.matching(freeze=r"^embed|\.mlp\.")`. Printable
+        and comparable (its `repr` names the patterns), as a command line needs.
+
+        **Raises:**
+
+        `LayerConfigError` for a pattern that is not a regular expression.
+        """
+        return cls(_Patterns(train, freeze))
 
     def _flags(self, model: PyTree, leaves: list[tuple[str, Any]]) -> list[Any]:
         if _is_filter(self.spec):
@@ -214,6 +229,27 @@ class Trainable(eqx.Module):
                 named.add(text)
         leaves = {p for p, _ in _leaves_with_paths(model)}
         return named & leaves
+
+
+class _Patterns(eqx.Module):
+    """`(path, leaf) -> bool`: `train` searched in the path and `freeze` not."""
+
+    train: str | None = eqx.field(static=True)
+    freeze: str | None = eqx.field(static=True)
+
+    def __init__(self, train: str | None, freeze: str | None):
+        for name, pattern in (("train", train), ("freeze", freeze)):
+            try:
+                re.compile(pattern or "")
+            except re.error as err:
+                raise LayerConfigError(
+                    f"Trainable.matching: {name}={pattern!r} is not a regular expression ({err})."
+                ) from None
+        self.train, self.freeze = train, freeze
+
+    def __call__(self, path: str, leaf: Any) -> bool:
+        wanted = self.train is None or re.search(self.train, path) is not None
+        return wanted and not (self.freeze is not None and re.search(self.freeze, path))
 
 
 def _describe(leaf: Any) -> str:
