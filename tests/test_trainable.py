@@ -192,8 +192,19 @@ def test_compiled_step_holds_trained_state_and_no_frozen_weight_gradient():
     assert len(full_dots) - len(dots) == 3
     # Under fsdp the frozen arrays are still gathered, but their gradients are not
     # reduce-scattered: fewer reduce-scatter bytes.
-    scattered = lambda c: sum(r.total_bytes for r in read_collectives(c) if r.kind == "reduce-scatter")  # noqa: E731
-    assert scattered(compiled.compiled) < scattered(full_compiled.compiled)
+    def moved(compiled, kind):
+        return sum(r.total_bytes for r in read_collectives(compiled.compiled) if r.kind == kind)
+
+    assert moved(compiled, "reduce-scatter") < moved(full_compiled, "reduce-scatter")
+    assert moved(compiled, "all-gather") == moved(full_compiled, "all-gather")
+    # The same with FSDP units alone (fsdp=8, the units scanned as one): exactly the
+    # frozen arrays' reduce-scatters go (embedding, up, down: 272,384 of 444,416 bytes).
+    state8, frozen8, _ = setup("fsdp=8")
+    full8 = setup("fsdp=8", frozen=False)[1]
+    base8 = trainable_mask(state8.model, trained).split(es.unbox(state8.model))[1]
+    assert moved(frozen8, "all-gather") == moved(full8, "all-gather")
+    gone = moved(full8, "reduce-scatter") - moved(frozen8, "reduce-scatter")
+    assert gone == 7 / 8 * _bytes(base8) == 272_384
 
 
 def test_mixed_precision_and_global_view_and_model_state():
@@ -229,11 +240,17 @@ def test_mixed_precision_and_global_view_and_model_state():
 
     batch = (jax.random.normal(jax.random.key(1), (16, 4)), jax.random.normal(jax.random.key(2), (16,)))
     spec = lambda path, leaf: path.startswith("last")  # noqa: E731
-    for view in ("local", "global"):
+    reduced = {}
+    for view, trainable in (("local", spec), ("global", spec), ("local", None)):
         step = make_train_step(
-            loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"), view=view, donate=False, trainable=spec
+            loss, optax.sgd(0.1), mesh=mesh, batch_spec=P("dp"), view=view, donate=False, trainable=trainable
         )
         state0 = step.init_state(lambda k: eqx.nn.make_with_state(Net)(k), KEY)
+        if view == "local":
+            rows = read_collectives(step.lower(state0, batch).compile())
+            reduced[trainable is None] = {s for r in rows if r.kind == "all-reduce" for _, s in r.operand_shapes}
+        if trainable is None:
+            continue
         state1, _ = step(state0, batch)
         assert np.array_equal(state1.model.first.weight, state0.model.first.weight)
         assert not np.array_equal(state1.model.last.weight, state0.model.last.weight)
@@ -241,6 +258,9 @@ def test_mixed_precision_and_global_view_and_model_state():
         # The batch norm's running statistics are still carried.
         means = [x for x in jax.tree.leaves(state1.model_state) if x.shape == (8,)]
         assert any(not np.array_equal(a, b) for a, b in zip(means, jax.tree.leaves(state0.model_state)))
+    # The local view all-reduces the replicated gradients over dp: the trained ones only
+    # (`first.weight`'s f32[8, 4] is summed by the full step alone).
+    assert (8, 4) in reduced[True] and (8, 4) not in reduced[False]
 
 
 def test_bool_tree_filter_equals_path_filter():
