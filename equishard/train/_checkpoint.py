@@ -10,6 +10,13 @@ template's shardings, or its specs on a given mesh): a checkpoint saved under
 `fsdp=8` restores under `dp=2,tp=4` with no conversion step, since orbax reads each
 device's block of the global array directly.
 
+**The trained part.** With a trainable filter (`save(..., trainable=step.trainable)`) a
+step holds the trainable arrays, their optimizer state and the state's counters and key,
+and the metadata's `base` records the frozen arrays' stored paths and fingerprint
+(`equishard.train.base_fingerprint`); `restore(..., base=model)` takes them from the
+model given and refuses one whose fingerprint differs. The stored arrays are checksummed
+and verified as in a full checkpoint.
+
 **Safety.** A step is written into a temporary directory
 (`<step>.orbax-checkpoint-tmp-*`) and renamed into place only when complete, so a
 process killed mid-write leaves no step that looks good; such leftovers are ignored and
