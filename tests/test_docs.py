@@ -301,6 +301,11 @@ def test_training_resumes_on_another_layout():
         assert abs(a - b) <= 1e-4 * abs(b)
     assert "ZeRO losses equal the fsdp=8 run: True" in out
     assert "first moment P('dp', None) block (32, 64)" in out
+    frozen_line = lines_after(out, "optimizer state: ")[0]
+    held, whole = (int(v.replace(",", "")) for v in re.findall(r"[\d,]+", frozen_line)[:2])
+    assert held < 0.3 * whole  # the attention's moments only
+    assert "frozen arrays bit-identical after 3 steps: True" in out
+    assert "restored onto the base at step 3" in out
 
 
 def test_multihost_equals_one_process():

@@ -7,6 +7,7 @@ the train step and the plain-Equinox export need only the base install.
 import importlib
 import typing
 
+from ._base import base_fingerprint as base_fingerprint
 from ._data import (
     IGNORE_LABEL as IGNORE_LABEL,
     DataSource as DataSource,
@@ -52,6 +53,11 @@ from ._step import (
     make_train_step as make_train_step,
 )
 from ._token_files import TokenFiles as TokenFiles, read_manifest as read_manifest
+from ._trainable import (
+    Trainable as Trainable,
+    TrainableMask as TrainableMask,
+    trainable_mask as trainable_mask,
+)
 
 if typing.TYPE_CHECKING:
     from ._checkpoint import Checkpointer as Checkpointer

@@ -10,6 +10,13 @@ template's shardings, or its specs on a given mesh): a checkpoint saved under
 `fsdp=8` restores under `dp=2,tp=4` with no conversion step, since orbax reads each
 device's block of the global array directly.
 
+**The trained part.** With a trainable filter (`save(..., trainable=step.trainable)`) a
+step holds the trainable arrays, their optimizer state and the state's counters and key,
+and the metadata's `base` records the frozen arrays' stored paths and fingerprint
+(`equishard.train.base_fingerprint`); `restore(..., base=model)` takes them from the
+model given and refuses one whose fingerprint differs. The stored arrays are checksummed
+and verified as in a full checkpoint.
+
 **Safety.** A step is written into a temporary directory
 (`<step>.orbax-checkpoint-tmp-*`) and renamed into place only when complete, so a
 process killed mid-write leaves no step that looks good; such leftovers are ignored and
@@ -34,6 +41,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import equinox as eqx
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -43,9 +51,12 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from .._errors import CheckpointError
 from .._text import first_line
+from ..sharding import is_sharded
+from ._base import base_entries, fingerprint, frozen_keys
 from ._format import (
     FORMAT,
     FORMAT_VERSION,
+    Entry,
     array_record,
     check_fits,
     checksums,
@@ -411,7 +422,10 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------
 
-    def save(self, step: int, state: PyTree, *, exist_ok: bool = False) -> bool:
+    def save(
+        self, step: int, state: PyTree, *, exist_ok: bool = False, trainable: Any = None,
+        base_source: str | None = None,
+    ) -> bool:
         """Save `state` as checkpoint `step`, asynchronously.
 
         **Arguments:**
@@ -423,6 +437,14 @@ class Checkpointer:
           `CheckpointError`. `True`: leave the existing checkpoint untouched and return
           `False` (for "save at the end" after a periodic save of the same step).
           An existing step is never written over.
+        - `trainable`: save the trained part only (`None`: every array). The train step's
+          trainable filter (`step.trainable`, or what `make_train_step(trainable=)`
+          takes): `state` is a `TrainState` whose `model`'s frozen arrays are left out,
+          with a fingerprint of them (`base_fingerprint`) recorded in the metadata
+          (`read_metadata()["base"]`); `restore(..., base=model)` takes them from the
+          model it is given and refuses one of another fingerprint.
+        - `base_source`: a description of the base recorded beside its fingerprint (e.g.
+          the Hugging Face folder it was loaded from), quoted in errors.
 
         **Returns:**
 
@@ -446,6 +468,9 @@ class Checkpointer:
                 f"checkpoint; save under another step, or move that step away first."
             )
         _, _, entries = flatten(state, self._path_map)
+        base = None
+        if trainable is not None:
+            entries, base = self._trained_part(state, entries, trainable, base_source)
         if not entries:
             raise CheckpointError(
                 f"nothing to save at step {step} in {self._directory}: the state holds no arrays."
@@ -463,6 +488,7 @@ class Checkpointer:
             "versions": _versions(),
             "user": self._user_metadata,
             "arrays": records,
+            **({} if base is None else {"base": base}),
         }
         args = ocp.args.Composite(
             **{_ARRAYS: _ArraysSave(arrays), _META: ocp.args.JsonSave(meta)}
@@ -488,6 +514,25 @@ class Checkpointer:
         self._pending = step
         self._settle(block=False)
         return True
+
+    def _trained_part(
+        self, state: PyTree, entries: list[Entry], trainable: Any, source: str | None
+    ) -> tuple[list[Entry], dict[str, Any]]:
+        """The entries of `state`'s trained part and the record of its frozen base."""
+        model = getattr(state, "model", None)
+        if model is None:
+            raise CheckpointError(
+                f"save(trainable=...) in {self._directory}: the state has no `model` to take "
+                f"the frozen arrays from; give the TrainState."
+            )
+        keys = frozen_keys(model, trainable, self._path_map)
+        frozen = [e for e in entries if e.path in keys]
+        record = {
+            "fingerprint": fingerprint(frozen),
+            "source": source,
+            "frozen": sorted(keys),
+        }
+        return [e for e in entries if e.path not in keys], record
 
     def _settle(self, *, block: bool) -> None:
         """Account for the last save once it has finished: raise if it failed, else prune.
@@ -678,6 +723,11 @@ class Checkpointer:
         step = int(meta["step"])
         where = self._where(step)
         leaves, treedef, entries = flatten(like, self._path_map)
+        # A checkpoint of the trained part: the frozen arrays are `like`'s own (the base).
+        frozen = set(meta.get("base", {}).get("frozen", ()))
+        for e in (e for e in entries if e.path in frozen):
+            leaves[e.index] = _placed(leaves[e.index], e, mesh)
+        entries = [e for e in entries if e.path not in frozen]
         saved = check_fits(meta, entries, where)
         targets = {e.path: target(e, mesh, where) for e in entries}
         try:
@@ -713,7 +763,43 @@ class Checkpointer:
                 return earlier
         return None
 
-    def restore(self, like: PyTree, step: int | None = None, *, mesh: Mesh | None = None) -> PyTree:
+    def _with_base(self, meta: Mapping[str, Any], like: PyTree, base: PyTree, source: str | None) -> PyTree:
+        """`like` with its model's arrays taken from `base` if the step holds the trained
+        part only, the base's fingerprint checked against the recorded one."""
+        record = meta.get("base")
+        if record is None:
+            return like  # every array is stored: the base is not needed
+        where = self._where(int(meta["step"]))
+        recorded = f"{record['fingerprint']}" + (f" (from {record['source']})" if record.get("source") else "")
+        if base is None:
+            raise CheckpointError(
+                f"{where} holds the trained part of a model only: its {len(record['frozen'])} "
+                f"frozen arrays (the base, fingerprint {recorded}) are not stored. Pass the "
+                f"base model: restore(like, base=model)."
+            )
+        keys = set(record["frozen"])
+        given = base_entries(base, keys, self._path_map)
+        missing = sorted(keys - {e.path for e in given})
+        if missing:
+            raise CheckpointError(
+                f"{where} was saved with the frozen array `{missing[0]}`, which the base given "
+                f"lacks ({len(missing)} of {len(keys)} missing): the base is of another model "
+                f"or layout naming (give the Checkpointer the path_map it was saved with)."
+            )
+        found = fingerprint(given)
+        if found != record["fingerprint"]:
+            mine = found + (f" (from {source})" if source else "")
+            raise CheckpointError(
+                f"{where} was trained on another base: its frozen arrays had the fingerprint "
+                f"{recorded} when it was saved, and the base given has {mine}. Restore it "
+                f"onto the base it was trained on."
+            )
+        return eqx.tree_at(lambda s: s.model, like, base)
+
+    def restore(
+        self, like: PyTree, step: int | None = None, *, mesh: Mesh | None = None,
+        base: PyTree = None, base_source: str | None = None,
+    ) -> PyTree:
         """Restore a step into the structure of `like`, placed where `like` says.
 
         Every array is checked against the checksum recorded when it was saved (unless
@@ -733,6 +819,12 @@ class Checkpointer:
           `sharding`), or, where the template has none, the first local device; a
           boxed leaf whose spec shards it then needs `mesh` (`eqx.filter_eval_shape`
           gives shape-only leaves without shardings).
+        - `base`: for a checkpoint of the trained part (`save(..., trainable=...)`), the
+          model whose frozen arrays it was trained on (e.g. freshly loaded, under any
+          layout), of `like.model`'s structure: its fingerprint must be the recorded one,
+          and the restored state holds its frozen arrays (the same buffers, placed on
+          `mesh`: a donating train step consumes them). Unused for a full checkpoint.
+        - `base_source`: a description of `base` for the error message.
 
         **Returns:**
 
@@ -744,10 +836,13 @@ class Checkpointer:
         `CheckpointError` (one paragraph naming the directory, step and offending path)
         if the directory or step is missing, the checkpoint is corrupt (an array does
         not match its checksum: the message names the newest earlier step that is
-        intact), or it does not fit `like`; `SpecError` if a spec does not fit `mesh`.
+        intact), or it does not fit `like`, or it holds the trained part only and no `base`
+        or one of another fingerprint is given (naming the recorded and the given
+        fingerprints); `SpecError` if a spec does not fit `mesh`.
         """
         meta = self.read_metadata(step)
         step = int(meta["step"])
+        like = self._with_base(meta, like, base, base_source)
         with _quiet_closed_loop():
             restored, damage = self._read(meta, like, mesh)
             if damage is None:
@@ -782,6 +877,15 @@ def _quiet_closed_loop() -> Iterator[None]:
         yield
     finally:
         sys.unraisablehook = previous
+
+
+def _placed(leaf: Any, entry: Entry, mesh: Mesh | None) -> Any:
+    """A base's array (`leaf`, possibly boxed) placed by its spec on `mesh` (as it is
+    without one)."""
+    if mesh is None:
+        return leaf
+    value = jax.device_put(entry.value, target(entry, mesh, "").sharding)
+    return leaf.with_value(value) if is_sharded(leaf) else value
 
 
 def _versions() -> dict[str, str]:

@@ -29,6 +29,7 @@ from ..sharding._internal import is_spec, spec_axes
 from ._loss import STATE_DIVERGED, LossAdapter
 from ._opt_sharding import OptStateSharding
 from ._precision import Precision
+from ._trainable import TrainableMask, merge
 
 Gradients = tuple[Any, dict[str, Any], PyTree]  # (loss, metrics, grads)
 
@@ -60,11 +61,17 @@ def global_norm(tree: PyTree) -> Array:
 
 def value_and_grad(
     adapter: LossAdapter, precision: Precision, model: PyTree, batch: PyTree,
-    key: PRNGKeyArray, index: Any, model_state: Any = None,
+    key: PRNGKeyArray, index: Any, model_state: Any = None, frozen: PyTree = None,
 ) -> tuple[Any, Gradients]:
-    """`(model_state, (loss, metrics, grads))` of one batch, `grads` of `model`'s floats."""
+    """`(model_state, (loss, metrics, grads))` of one batch, `grads` of `model`'s floats.
+
+    `model`: the trainable part (`None` in place of the frozen arrays), `frozen` the
+    rest (`None`: nothing frozen): constants of the differentiated function, so that no
+    gradient is computed for them (`TrainableMask.split`).
+    """
 
     def loss(model: PyTree, batch: PyTree, key: PRNGKeyArray, index: Any) -> Any:
+        model = model if frozen is None else merge(model, frozen)
         return adapter(precision.compute(model), precision.batch(batch), key, index, model_state)
 
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
@@ -246,7 +253,7 @@ def _reduce_pending(
 def local_gradients(
     model: PyTree, batch: PyTree, key: PRNGKeyArray, model_state: Any = None, *,
     adapter: LossAdapter, precision: Precision, layout: OptStateSharding, grad_accum: int,
-    data_axes: tuple[str, ...],
+    data_axes: tuple[str, ...], mask: TrainableMask,
 ) -> tuple[Array, dict[str, Any], Array, PyTree, Any]:
     """Inside `shard_map`: `(loss, metrics, grad_norm, grads, model_state)` of this
     device's batch, the model state after the last micro-step (the same on every device).
@@ -257,8 +264,12 @@ def local_gradients(
     last micro-step (k times fewer bytes), or under ZeRO reduce-scattered once. That is
     exact whenever the loss is one global value (invariant over the data axes): the
     gradient of a function of n equal copies is the sum of the partial gradients.
+
+    Only `mask`'s trainable arrays are differentiated (and reduced); the gradients hold
+    `None` in place of the frozen ones.
     """
     check_no_mean_grads(model)
+    model, frozen = mask.split(model)
     # int32[B/data]: where this device's examples sit in the global batch.
     index = adapter.local_index(jax.tree.leaves(batch)[0].shape[0])
     if model_state is not None and data_axes and vma_checked(data_axes):
@@ -270,7 +281,7 @@ def local_gradients(
     # cast's transpose, in `reduce_dtype`: the deferred route, even for one micro-step.
     if grad_accum == 1 and not layout.reduces_gradients and precision.reduce_dtype is None:
         model_state, (loss, metrics, grads) = value_and_grad(
-            adapter, precision, model, batch, key, index, model_state
+            adapter, precision, model, batch, key, index, model_state, frozen
         )
     else:
         # [B_local, ...] -> [k, B_local/k, ...]
@@ -280,7 +291,9 @@ def local_gradients(
             def one(i: Any, part: Any, model_state: Any) -> Any:
                 part_batch, part_index = part
                 part_key = adapter.micro_key(key, i)
-                return value_and_grad(adapter, precision, model, part_batch, part_key, part_index, model_state)
+                return value_and_grad(
+                    adapter, precision, model, part_batch, part_key, part_index, model_state, frozen
+                )
 
             accept = lambda out: _invariant_over((out[0], out[1]), data_axes)  # noqa: E731
             return accumulate(one, micro, grad_accum, initial_state, accept=accept)
@@ -301,14 +314,16 @@ def local_gradients(
 def global_gradients(
     model: PyTree, batch: PyTree, key: PRNGKeyArray, model_state: Any = None, *,
     adapter: LossAdapter, precision: Precision, grad_accum: int, mesh: Mesh,
-    batch_spec: P | PyTree, data_axes: tuple[str, ...],
+    batch_spec: P | PyTree, data_axes: tuple[str, ...], mask: TrainableMask,
 ) -> tuple[Array, dict[str, Any], Array, PyTree, Any]:
-    """Under `jit`, on the global arrays: `(loss, metrics, grad_norm, grads, model_state)`."""
+    """Under `jit`, on the global arrays: `(loss, metrics, grad_norm, grads, model_state)`,
+    the gradients of `mask`'s trainable arrays (`None` in place of the frozen ones)."""
+    model, frozen = mask.split(model)
     batch = shard(batch, mesh, batch_spec)
     index = jnp.arange(jax.tree.leaves(batch)[0].shape[0], dtype=jnp.int32)  # int32[B]
     if grad_accum == 1:
         model_state, (loss, metrics, grads) = value_and_grad(
-            adapter, precision, model, batch, key, index, model_state
+            adapter, precision, model, batch, key, index, model_state, frozen
         )
     else:
         # [B, ...] -> [k, B/k, ...], micro-batch m taking the m-th slice of every data
@@ -322,7 +337,9 @@ def global_gradients(
         def one(i: Any, part: Any, model_state: Any) -> Any:
             part_batch, part_index = part
             part_key = adapter.micro_key(key, i)
-            return value_and_grad(adapter, precision, model, part_batch, part_key, part_index, model_state)
+            return value_and_grad(
+                adapter, precision, model, part_batch, part_key, part_index, model_state, frozen
+            )
 
         model_state, (loss, metrics, grads) = accumulate(one, micro, grad_accum, model_state)  # type: ignore[misc]
     squares = (

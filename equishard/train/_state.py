@@ -17,6 +17,7 @@ from .._errors import TrainStepError
 from ..sharding import path_str, sharded_init
 from ._format import FORMAT_VERSION, TRAIN_STATE_FIELDS
 from ._opt_sharding import OptStateSharding, bind_opt_sharding
+from ._trainable import Trainable, check_trainable, resolve_mask
 
 
 class TrainState(eqx.Module):
@@ -99,6 +100,7 @@ def init_train_state(
     *,
     mesh: Mesh,
     opt_sharding: OptStateSharding | None = None,
+    trainable: Trainable | Any = None,
 ) -> TrainState:
     """Build a `TrainState` directly sharded on `mesh` (mesh-invariant).
 
@@ -110,8 +112,8 @@ def init_train_state(
       state is kept in `TrainState.model_state` and the loss function takes the stateful
       form (see `make_train_step`).
     - `optimizer`: an optax optimizer; its state inherits the parameters' specs. It sees
-      the floating arrays only (`eqx.filter(model, eqx.is_inexact_array)`): integer and
-      boolean fields are carried unchanged.
+      the trainable floating arrays only (`None` in place of the others): integer and
+      boolean fields and frozen arrays are carried unchanged.
     - `key`: the run's key; the model is built from `fold_in(key, 0)`.
     - `mesh`: the mesh.
     - `opt_sharding`: the optimizer state's layout, the train step's: `Mirror()` (the
@@ -119,6 +121,10 @@ def init_train_state(
       (optimizer-state sharding: its arrays split over those data axes beyond their
       parameters' specs, `equishard.sharding.zero_split`). `TrainStep.init_state`
       passes the step's own; see the training guide.
+    - `trainable`: the trainable filter, the train step's (`None`: every floating
+      array): a `Trainable`, a callable `(path, leaf) -> bool` or a pytree of bools
+      (see `make_train_step`). `optimizer.init` sees only the trainable arrays: the
+      frozen ones have no optimizer state. `TrainStep.init_state` passes the step's own.
 
     **Returns:**
 
@@ -126,10 +132,11 @@ def init_train_state(
     """
     # checked before tracing
     layout = bind_opt_sharding(opt_sharding, mesh, "init_train_state")
+    trainable = check_trainable(trainable, "init_train_state")
 
     def make(key: PRNGKeyArray) -> TrainState:
         model, model_state = split_model_state(make_model(jax.random.fold_in(key, 0)))
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        opt_state = optimizer.init(resolve_mask(trainable, model, "init_train_state").trained(model))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             model=model,

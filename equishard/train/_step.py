@@ -45,6 +45,7 @@ from ._loss import LossAdapter, LossFn, describe
 from ._opt_sharding import OptStateSharding, bind_opt_sharding
 from ._precision import Precision, check_precision
 from ._state import TrainState, init_train_state
+from ._trainable import Trainable, TrainableMask, check_trainable, resolve_mask
 from ._update import all_finite, check_optimizer_state, clip, guarded_update, traced_once
 
 Metrics = dict[str, Any]
@@ -79,6 +80,7 @@ class _Parts:
         self, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
         batch_spec: P | PyTree, grad_accum: int, clip_norm: float | None, view: str,
         layout: OptStateSharding, precision: Precision, batch_stats: str = "global",
+        trainable: Trainable | None = None,
     ):
         self.data_axes = data_axes_of(batch_spec)
         # Batch norms inside `shard_map` take their statistics over the data axes too
@@ -90,14 +92,17 @@ class _Parts:
         self.all_finite = all_finite(mesh)
         self.mesh, self.batch_spec, self.view = mesh, batch_spec, view
         self.grad_accum, self.clip_norm = grad_accum, clip_norm
-        self.layout, self.precision = layout, precision
+        self.layout, self.precision, self.trainable = layout, precision, trainable
 
 
-def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any, model_state: Any = None) -> Any:
-    """`(loss, metrics, grad_norm, grads, model_state)`: the global gradients in the
-    layout's view, and the model state after the step's micro-steps (replicated)."""
+def compute_gradients(
+    parts: _Parts, model: PyTree, batch: PyTree, key: Any, model_state: Any, mask: TrainableMask
+) -> Any:
+    """`(loss, metrics, grad_norm, grads, model_state)`: the global gradients of `mask`'s
+    trainable arrays in the layout's view (`None` for the frozen ones), and the model
+    state after the step's micro-steps (replicated)."""
     common: dict[str, Any] = dict(
-        adapter=parts.adapter, precision=parts.precision, grad_accum=parts.grad_accum
+        adapter=parts.adapter, precision=parts.precision, grad_accum=parts.grad_accum, mask=mask
     )
     if parts.view == "global":
         loss, metrics, grad_norm, grads, model_state = global_gradients(
@@ -121,7 +126,7 @@ def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any, mod
         local,
         mesh=parts.mesh,
         in_specs=(None, parts.batch_spec, P(), P()),
-        out_specs=(P(), P(), P(), gradient_specs(parts.layout.view(model)), P()),
+        out_specs=(P(), P(), P(), gradient_specs(parts.layout.view(mask.trained(model))), P()),
     )
     return gradients(model, batch, key, model_state)
 
@@ -129,10 +134,11 @@ def compute_gradients(parts: _Parts, model: PyTree, batch: PyTree, key: Any, mod
 def step_body(parts: _Parts, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
     """One step: gradients, then the guarded update, on `state` and the global `batch`."""
     key = jax.random.fold_in(state.key, state.step)
-    check_optimizer_state(parts.optimizer, state.model, state.opt_state)
+    mask = resolve_mask(parts.trainable, state.model)
+    check_optimizer_state(parts.optimizer, state.model, state.opt_state, mask)
     parts.layout.check(state.opt_state)
     loss, metrics, grad_norm, grads, model_state = compute_gradients(
-        parts, state.model, batch, key, state.model_state
+        parts, state.model, batch, key, state.model_state, mask
     )
     # Global view from here: `grads` are global arrays in their parameters' boxes
     # (under ZeRO, in the optimizer state's boxes: the parameters are viewed, and laid
@@ -140,7 +146,7 @@ def step_body(parts: _Parts, state: TrainState, batch: PyTree) -> tuple[TrainSta
     grads = clip(grads, grad_norm, parts.clip_norm)
     model, opt_state, ok = guarded_update(
         parts.optimizer, parts.update, parts.all_finite, parts.layout, loss, grad_norm,
-        grads, state.opt_state, state.model,
+        grads, state.opt_state, state.model, mask,
     )  # fmt: skip
     skipped = (~ok).astype(jnp.int32)
     # A skipped step keeps the model state too (a NaN batch leaves the statistics).
@@ -264,7 +270,8 @@ class TrainStep(eqx.Module):
     """A jitted `step(state, batch) -> (state, metrics)`, made by `make_train_step`.
 
     Its parts are fields: `mesh`, `optimizer`, `opt_sharding` (the optimizer state's
-    layout, bound to the mesh) and `precision` (the precision policy). Each call checks
+    layout, bound to the mesh), `precision` (the precision policy) and `trainable` (the
+    trainable filter, a `Trainable`; `None`: every floating array). Each call checks
     the state (not donated already, laid out on the step's mesh) before dispatching the
     program; a new batch shape compiles anew, as `jax.jit` does.
     """
@@ -274,6 +281,7 @@ class TrainStep(eqx.Module):
     optimizer: optax.GradientTransformation = eqx.field(static=True)
     opt_sharding: OptStateSharding = eqx.field(static=True)
     precision: Precision = eqx.field(static=True)
+    trainable: Trainable | None = eqx.field(static=True, default=None)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         """One step: `(new_state, metrics)` (see `make_train_step`)."""
@@ -285,14 +293,17 @@ class TrainStep(eqx.Module):
 
     def init_state(self, make_model: Callable[[PRNGKeyArray], PyTree], key: PRNGKeyArray) -> TrainState:
         """The initial state for this step: `init_train_state` with the step's optimizer,
-        mesh and optimizer-state layout (born sharded, mesh-invariant).
+        mesh, optimizer-state layout and trainable filter (born sharded, mesh-invariant).
 
         **Arguments:**
 
         - `make_model`: `key -> model` (or `-> (model, state)`), as `init_train_state`'s.
         - `key`: the run's key.
         """
-        return init_train_state(make_model, self.optimizer, key, mesh=self.mesh, opt_sharding=self.opt_sharding)
+        return init_train_state(
+            make_model, self.optimizer, key, mesh=self.mesh, opt_sharding=self.opt_sharding,
+            trainable=self.trainable,
+        )  # fmt: skip
 
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
         """The step lowered for this state and batch, without running it."""
@@ -383,6 +394,7 @@ def make_train_step(
     precision: Precision | None = None,
     compiler_options: dict[str, Any] | None = None,
     batch_stats: str = "global",
+    trainable: Trainable | Any = None,
 ) -> TrainStep:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
 
@@ -471,6 +483,16 @@ def make_train_step(
       devices of each device's running statistics. With `grad_accum`, a micro-step's
       statistics are over that micro-step's examples: the m-th slice of each device's
       block of the batch. `"device"` needs `view="local"`.
+    - `trainable`: the trainable filter, a value the step holds (`None`, the default:
+      every floating array): a `Trainable`, or what it takes — a callable `(path, leaf)
+      -> bool` over the model's arrays (`path` as `equishard.sharding.path_str` writes
+      it, e.g. `lambda path, leaf: ".lora" in path`) or a pytree of bools with the
+      model's structure (an `eqx.partition` filter spec, prefixes allowed). The other
+      arrays are frozen: carried unchanged (bit for bit), no gradient computed (they are
+      constants of the differentiated function), no optimizer state, no clipping,
+      finiteness check or gradient reduction. Build the state with
+      `step.init_state(make_model, key)`, whose optimizer state covers the trainable
+      arrays only. See the training guide's "Frozen parameters".
     - `compiler_options`: XLA options for this step's program only, as `jax.jit`'s
       (e.g. `{"xla_backend_optimization_level": 0}`, which on XLA:CPU compiles a step
       with dropout several times faster and runs it more slowly); `None`: XLA's
@@ -492,11 +514,15 @@ def make_train_step(
     **Raises:**
 
     `LayerConfigError` for an option that cannot work (`grad_accum < 1`, an unknown
-    `view`, `ZeRO1` axes not on the mesh, a `precision` or `opt_sharding` that is not one); `TrainStepError` for `clip_norm <= 0` and,
+    `view`, `ZeRO1` axes not on the mesh, a `precision` or `opt_sharding` that is not
+    one; when traced, a `trainable` filter that leaves nothing trainable, does not fit
+    the model's structure or marks a non-floating array); `TrainStepError` for
+    `clip_norm <= 0` and,
     when the step is called or compiled, for what breaks its contract: a loss function
     that does not return a floating scalar and a dict of metrics, an optimizer whose
     state changes structure or dtype in its update, a state donated already or laid out
-    on another mesh, a compiled step given a batch of another shape. `EquishardError`
+    on another mesh or whose optimizer state was built for another trainable set, a
+    compiled step given a batch of another shape. `EquishardError`
     for `compiler_options` that XLA refuses, before anything is traced.
     """
     _check_options(grad_accum, view, mesh, clip_norm)
@@ -505,9 +531,10 @@ def make_train_step(
     layout = bind_opt_sharding(opt_sharding, mesh, "make_train_step")
     data_axes = data_axes_of(batch_spec) if view == "local" else ()
     precision = check_precision(precision, "make_train_step").bind(data_axes)
+    trainable = check_trainable(trainable, "make_train_step")
     parts = _Parts(
         loss_fn, optimizer, mesh, batch_spec, grad_accum, clip_norm, view, layout,
-        precision, batch_stats,
+        precision, batch_stats, trainable,
     )  # fmt: skip
     # `jax.jit` over the arrays, the rest static, rather than `eqx.filter_jit`: the
     # latter waits for each call to finish (to surface Equinox runtime errors), which
@@ -518,4 +545,4 @@ def make_train_step(
         donate_argnums=(0,) if donate else (),
         compiler_options=compiler_options,
     )
-    return TrainStep(jitted, mesh, optimizer, layout, precision)
+    return TrainStep(jitted, mesh, optimizer, layout, precision, trainable)

@@ -19,8 +19,9 @@ from jaxtyping import Array, PyTree
 
 from .._axes import cast_varying, mesh_ordered, varying_axes, vma_checked
 from .._errors import LayerConfigError, TrainStepError
-from ..sharding import filter_shard_map, path_str
+from ..sharding import filter_shard_map, is_sharded, path_str
 from ._opt_sharding import OptStateSharding
+from ._trainable import TrainableMask, merge
 
 
 def clip(grads: PyTree, grad_norm: Array, clip_norm: float | None) -> PyTree:
@@ -170,7 +171,7 @@ def first_update(
 def guarded_update(
     optimizer: optax.GradientTransformation, update: Callable[..., Any],
     finite: Callable[[PyTree], Array], layout: OptStateSharding, loss: Array,
-    grad_norm: Array, grads: PyTree, opt_state: PyTree, model: PyTree,
+    grad_norm: Array, grads: PyTree, opt_state: PyTree, model: PyTree, mask: TrainableMask,
 ) -> tuple[PyTree, PyTree, Array]:
     """`(model, opt_state, ok)`: the update applied if `ok`, all finite, else skipped.
 
@@ -179,32 +180,69 @@ def guarded_update(
     second inside the branch that applies it, so XLA neither merges the two nor keeps
     the first), no update outlives its fusion: the step holds the gradients, not also a
     parameter-sized update and new moments at once.
+
+    Only `mask`'s trainable arrays are viewed, updated and laid back out; the frozen
+    ones are carried as they are.
     """
-    old_model = layout.for_update(model)
+    trained, frozen = mask.split(model)
+    old_model = layout.for_update(trained)
     params = eqx.filter(old_model, eqx.is_inexact_array)
     checked = first_update(optimizer, update, grads, opt_state, params, layout)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite(checked)
     new_model, opt_state = _apply_if(ok, update, grads, opt_state, old_model)
-    return layout.restore(new_model, model), opt_state, ok
+    return merge(layout.restore(new_model, trained), frozen), opt_state, ok
 
 
-def check_optimizer_state(optimizer: optax.GradientTransformation, model: PyTree, opt_state: PyTree) -> None:
-    """Refuse a train state whose optimizer state was built by another optimizer (its
-    structure is not the one `optimizer.init` gives for `model`), before optax fails
-    inside its update. Abstract (`jax.eval_shape`): nothing is computed.
+def _array_paths(tree: PyTree) -> list[str]:
+    """The paths of `tree`'s arrays (a box's by the box's path), in order."""
+    return [
+        path_str(p) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_sharded)
+        if (x.value if is_sharded(x) else x) is not None
+    ]
+
+
+def _refuse_other_trainable(expected: PyTree, opt_state: PyTree, mask: TrainableMask) -> None:
+    """Raise if `opt_state` differs from `expected` only in which parameters have state:
+    it was built for another trainable set (naming the first parameter that differs)."""
+    slots = lambda x: x is None or is_sharded(x) or eqx.is_array(x)  # noqa: E731
+    if jax.tree.structure(expected, is_leaf=slots) != jax.tree.structure(opt_state, is_leaf=slots):
+        return
+    want, got = _array_paths(expected), _array_paths(opt_state)
+    extra = [p for p in got if p not in set(want)]
+    missing = [p for p in want if p not in set(got)]
+    first = (
+        f"it holds `opt_state{extra[0]}`, for a parameter this step freezes"
+        if extra else f"it lacks `opt_state{missing[0]}`, for a parameter this step trains"
+    )
+    raise TrainStepError(
+        f"make_train_step: the train state's optimizer state was built for another "
+        f"trainable set: {first} ({len(got)} optimizer-state arrays, where this step's "
+        f"{sum(mask.flags)} trainable arrays give {len(want)}). Build the state with "
+        f"`step.init_state(...)` (or init_train_state(..., trainable=) of the step's filter)."
+    )
+
+
+def check_optimizer_state(
+    optimizer: optax.GradientTransformation, model: PyTree, opt_state: PyTree, mask: TrainableMask
+) -> None:
+    """Refuse a train state whose optimizer state was built by another optimizer or for
+    another trainable set (its structure is not the one `optimizer.init` gives for
+    `model`'s trainable arrays), before optax fails inside its update. Abstract
+    (`jax.eval_shape`): nothing is computed.
 
     **Raises:**
 
-    `TrainStepError` naming the two structures' kinds.
+    `TrainStepError` naming the two structures' kinds, or the first parameter whose
+    optimizer state is there for a frozen one or missing for a trainable one.
     """
-    from ..sharding import Sharded
 
     def box(x: Any) -> bool:  # a box is one leaf: ZeRO changes its spec, not the structure
-        return isinstance(x, Sharded)
+        return is_sharded(x)
 
-    expected = jax.eval_shape(optimizer.init, eqx.filter(model, eqx.is_inexact_array))
+    expected = jax.eval_shape(optimizer.init, mask.trained(model))
     want, got = jax.tree.structure(expected, is_leaf=box), jax.tree.structure(opt_state, is_leaf=box)
     if want != got:
+        _refuse_other_trainable(expected, opt_state, mask)
         raise TrainStepError(
             f"make_train_step: the train state's optimizer state does not fit this step's "
             f"optimizer: it holds {type(opt_state).__name__} with {got.num_leaves} arrays, "
