@@ -86,15 +86,14 @@ LAYOUTS = {
 @functools.cache
 def setup(spec: str, frozen: bool = True, precision=None):
     """(initial state, compiled step, step) on one layout, shared by the tests."""
-    layout = Layout(spec)
+    layout = Layout(spec).resolve()
     zero, accum = LAYOUTS.get(spec, (None, 1))
     step = make_train_step(
-        _loss, OPTIMIZER, mesh=layout.mesh(), batch_spec=layout.batch_spec(), clip_norm=1.0,
+        _loss, OPTIMIZER, mesh=layout.mesh(), batch_spec=layout.batch_spec, clip_norm=1.0,
         donate=False, grad_accum=accum, opt_sharding=ZeRO1(zero) if zero else None,
         precision=precision, trainable=trained if frozen else None,
     )  # fmt: skip
-    par = layout.parallelism()
-    state = step.init_state(lambda k: GPT(CONFIG, par, key=k), KEY)
+    state = step.init_state(lambda k: GPT(CONFIG, layout, key=k), KEY)
     return state, step.compile(state, _data(0)), step
 
 
@@ -278,7 +277,7 @@ def test_bool_tree_filter_equals_path_filter():
     with pytest.raises(LayerConfigError, match=r"freeze='\(' is not a regular expression"):
         Trainable.matching(freeze="(")
     again = init_train_state(
-        lambda k: GPT(CONFIG, Layout("dp=8").parallelism(), key=k), OPTIMIZER, KEY, mesh=step.mesh,
+        lambda k: GPT(CONFIG, Layout("dp=8").resolve(), key=k), OPTIMIZER, KEY, mesh=step.mesh,
         opt_sharding=step.opt_sharding, trainable=Trainable(spec),
     )  # fmt: skip
     assert jax.tree.structure(again.opt_state) == jax.tree.structure(state.opt_state)

@@ -125,16 +125,16 @@ print("ZeRO losses equal the fsdp=8 run:", same)
 
 # --8<-- [start:frozen]
 # Fine-tune the attention only: the embedding, the MLPs, the norms and the head are frozen.
-layout4 = Layout("fsdp=8")
+layout4 = Layout("fsdp=8").resolve()
 attention = lambda path, leaf: ".attn." in path  # noqa: E731 - paths as param_table writes them
 step4 = make_train_step(
     lambda model, batch, key: model.loss(batch, key), optimizer, mesh=layout4.mesh(),
-    batch_spec=layout4.batch_spec(), clip_norm=1.0, trainable=attention,
+    batch_spec=layout4.batch_spec, clip_norm=1.0, trainable=attention,
 )  # fmt: skip
 
 
 def make_base(key):  # in a real run: the pretrained model, e.g. loaded from a folder
-    return GPT(config, layout4.parallelism(), key=key)
+    return GPT(config, layout4, key=key)
 
 
 fstate = step4.init_state(make_base, jax.random.key(0))  # optimizer state: attention only
