@@ -39,8 +39,12 @@ from ._hf import (
 )
 from ._lora import (
     add_lora as add_lora,
+    export_peft as export_peft,
+    load_peft as load_peft,
     lora_trainable as lora_trainable,
     merge_lora as merge_lora,
+    peft_mapping as peft_mapping,
+    read_peft_config as read_peft_config,
 )
 from ._memory import gpt_memory as gpt_memory
 from ._minimum import gpt_minimum as gpt_minimum, gpt_param_rows as gpt_param_rows

@@ -14,18 +14,36 @@ laid out as Hugging Face's, so no rows are permuted).
 from __future__ import annotations
 
 import copy
+import json
+import os
+import re
+import shutil
+import tempfile
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._errors import LayerConfigError
+from .._errors import CheckpointError, LayerConfigError
+from ..core import pipeline_layer_order
 from ..nn import LoRA, LoRAAdapter, ParallelAttention, ParallelMLP, PipelineModule
 from ..nn._internal import lora_of
 from ..sharding import is_sharded, sharded_init
-from ._gpt import GPT
+from ..train import (
+    OutTensor,
+    Stacked,
+    Tensor,
+    array_paths,
+    load_safetensors,
+    source_tensors,
+    tensor_of,
+    write_safetensors,
+)
+from ._gpt import GPT, canonical_path
+from ._hf import _claim, _sync, _to_host
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -214,3 +232,206 @@ def merge_lora(model: GPT) -> GPT:
         return [n for n in _nodes(m) if n.lora is not None]
 
     return eqx.tree_at(where, model, merged)
+
+
+# ------------------------------------------------------------------------------ PEFT
+
+_TARGET_OF = {module.split(".")[-1]: t for t, module in _MODULES.items()}
+_PATH = re.compile(r"\.units\.blocks\[0\]\.(?:attn|mlp)\.lora\['(\w+)'\]\.(a|b)")
+
+
+def _peft_name(layer: int, target: str, factor: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{_MODULES[target]}.lora_{factor.upper()}.weight"
+
+
+def _adapters_only(model: GPT) -> Any:
+    return eqx.filter(model, lora_trainable(model))
+
+
+def peft_mapping(model: GPT) -> dict[str, Any]:
+    """The map of `equishard.train.load_safetensors` from the adapter arrays of `model`
+    (an adapted `GPT`, any layout) to the tensors of a PEFT adapter of its Llama
+    equivalent: each stacked adapter array `Stacked` over the layers in the order the
+    layout stores them.
+
+    **Raises:**
+
+    `CheckpointError` for a model with mixture-of-experts layers (no Llama equivalent).
+    """
+    config, par = model.config, model.parallelism
+    if config.moe_every:
+        raise CheckpointError(
+            f"PEFT: a GPT with mixture-of-experts layers (moe_every={config.moe_every}) has no "
+            f"LlamaForCausalLM equivalent to adapt."
+        )
+    order = (
+        pipeline_layer_order(config.n_layers, par.num_stages, par.pipeline_repeats)
+        if par.pipeline else range(config.n_layers)
+    )  # fmt: skip
+    out: dict[str, Any] = {}
+    for path in array_paths(_adapters_only(model)):
+        match = _PATH.fullmatch(canonical_path(canonical_path(path)))
+        if match is None:  # not reached for a GPT: every adapter sits in a block
+            raise CheckpointError(f"PEFT: adapter array {path} has no PEFT tensor.")
+        target, factor = match.groups()
+        out[path] = Stacked(tuple(Tensor(_peft_name(i, target, factor)) for i in order))
+    return out
+
+
+def _peft_config(lora: LoRA, base_model_name_or_path: str) -> dict[str, Any]:
+    alpha: float | int = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": alpha,
+        "lora_dropout": lora.dropout, "target_modules": sorted(_MODULES[t].split(".")[-1] for t in lora.targets),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "lora_bias": False, "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+        "base_model_name_or_path": base_model_name_or_path, "revision": None,
+    }  # fmt: skip
+
+
+def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str) -> str:
+    """Write the adapters of `model` as a PEFT LoRA adapter folder.
+
+    `adapter_config.json` (`peft_type` `"LORA"`, `task_type` `"CAUSAL_LM"`, `r`,
+    `lora_alpha`, `lora_dropout`, `target_modules`, `bias` `"none"`, ...) and
+    `adapter_model.safetensors` (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
+    `[r, in]`, `...lora_B.weight` `[out, r]`, ...), loadable by `peft.PeftModel.from_pretrained`
+    onto the model's Llama equivalent (`export_hf` of its base). Written one tensor at a
+    time into a temporary folder beside `folder`, renamed once complete; in a
+    multi-process run every process calls it and process 0 writes.
+
+    **Arguments:**
+
+    - `model`: an adapted `GPT` (global arrays, any layout).
+    - `folder`: the target (must not exist, or be empty).
+    - `base_model_name_or_path`: the base model's name or folder, recorded in the config.
+
+    **Returns:**
+
+    `folder`.
+
+    **Raises:**
+
+    `CheckpointError` for a target that is not empty, a model without adapters or with
+    mixture-of-experts layers.
+    """
+    _claim(folder)
+    lora = lora_of(model)
+    if lora is None:
+        raise CheckpointError("export_peft: the model has no LoRA adapters (add_lora, load_peft).")
+    mapping = peft_mapping(model)
+    arrays = {p: v for p, (v, _) in array_paths(_adapters_only(model)).items()}
+    tensors = []
+    for path, source in mapping.items():
+        value = arrays[path]
+        for tensor in source_tensors(source):
+            make = lambda s=source, t=tensor, v=value: _to_host(tensor_of(s, t, v, {}))  # noqa: E731
+            tensors.append(OutTensor(tensor, tuple(value.shape[-2:]), np.dtype(value.dtype), make))
+    tensors.sort(key=lambda t: t.name)
+    if jax.process_index() != 0:
+        for t in tensors:
+            t.make()  # every process takes part in each tensor's gather; process 0 writes
+        _sync("equishard-peft-written")
+        return folder
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        write_safetensors(tmp, tensors, max_shard_bytes=2**62, single=PEFT_WEIGHTS)
+        with open(os.path.join(tmp, PEFT_CONFIG), "w") as f:
+            json.dump(_peft_config(lora, base_model_name_or_path), f, indent=2, sort_keys=True)
+            f.write("\n")
+        _claim(folder)
+        if os.path.isdir(folder):
+            os.rmdir(folder)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _sync("equishard-peft-written")
+    return folder
+
+
+def read_peft_config(folder: str) -> LoRA:
+    """The `LoRA` of the PEFT adapter folder `folder` (its `adapter_config.json`).
+
+    The file's `lora_dropout` (an option of training with PEFT) is not kept: the GPT's
+    adapters have no dropout.
+
+    **Raises:**
+
+    `CheckpointError` naming the file and the option the GPT cannot take: another
+    `peft_type`, `use_rslora`, `use_dora`, `modules_to_save`, a `bias` other than
+    `"none"`, `fan_in_fan_out`, per-layer ranks or alphas, `layers_to_transform`, a
+    target module other than Llama's q/k/v/o/gate/up/down projections.
+    """
+    path = os.path.join(folder, PEFT_CONFIG)
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot read the adapter's configuration ({err}).") from None
+    checks = [
+        (hf.get("peft_type") != "LORA", f"peft_type={hf.get('peft_type')!r} (only LoRA)"),
+        (bool(hf.get("use_rslora")), "use_rslora=true (rank-stabilised scaling)"),
+        (bool(hf.get("use_dora")), "use_dora=true"),
+        (bool(hf.get("modules_to_save")), f"modules_to_save={hf.get('modules_to_save')!r}"),
+        (hf.get("bias", "none") != "none", f"bias={hf.get('bias')!r} (only 'none')"),
+        (bool(hf.get("lora_bias")), "lora_bias=true"),
+        (bool(hf.get("fan_in_fan_out")), "fan_in_fan_out=true"),
+        (bool(hf.get("rank_pattern")) or bool(hf.get("alpha_pattern")), "rank_pattern or alpha_pattern"),
+        (hf.get("layers_to_transform") is not None, "layers_to_transform"),
+    ]  # fmt: skip
+    modules = hf.get("target_modules") or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    unknown = [m for m in modules if m not in _TARGET_OF]
+    checks.append((bool(unknown) or not modules, f"target_modules {unknown or modules!r} (the GPT adapts {', '.join(_TARGET_OF)})"))
+    for bad, what in checks:
+        if bad:
+            raise CheckpointError(f"{path}: the GPT cannot take {what}.")
+    return LoRA(int(hf["r"]), float(hf.get("lora_alpha", 8)), targets=tuple(_TARGET_OF[m] for m in modules))
+
+
+def load_peft(model: GPT, folder: str) -> GPT:
+    """`model` with the adapters of the PEFT LoRA adapter folder `folder`, each device
+    reading its own blocks of them (`equishard.train.load_safetensors`).
+
+    **Arguments:**
+
+    - `model`: the base `GPT` (global arrays, any layout; e.g. from `load_hf` of the
+      adapter's base model), or one adapted with the adapter's rank, alpha and targets
+      (its adapters are replaced).
+    - `folder`: `adapter_config.json` and `adapter_model.safetensors`.
+
+    **Returns:**
+
+    The adapted `GPT`, its adapters placed as `add_lora` places them.
+
+    **Raises:**
+
+    `CheckpointError` naming what the GPT cannot take (`read_peft_config`), a model
+    whose adapters differ from the file's (rank, alpha, targets), a missing or extra
+    tensor or one of the wrong shape (before any tensor data is read).
+    """
+    _check_gpt(model, "load_peft")
+    lora = read_peft_config(folder)
+    present = lora_of(model)
+    if present is None:
+        if model.config.moe_every:
+            peft_mapping(model)  # raises: no Llama equivalent
+        adapted = add_lora(model, lora, key=jax.random.key(0))
+    elif (present.rank, present.alpha, present.targets) != (lora.rank, lora.alpha, lora.targets):
+        raise CheckpointError(
+            f"load_peft: {folder} holds adapters of rank {lora.rank}, alpha {lora.alpha} on "
+            f"{list(lora.targets)}; the model's have rank {present.rank}, alpha "
+            f"{present.alpha} on {list(present.targets)}."
+        )
+    else:
+        adapted = model
+    skeleton = _adapters_only(adapted)
+    mesh = _mesh_of(adapted)
+    if mesh is None:  # one device: its specs name no axis
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("_",))
+    loaded = load_safetensors(skeleton, peft_mapping(adapted), folder, mesh=mesh, single=PEFT_WEIGHTS)
+    return eqx.combine(loaded, eqx.filter(adapted, lora_trainable(adapted), inverse=True))
