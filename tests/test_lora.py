@@ -22,6 +22,7 @@ from equishard.models import (
     add_lora,
     export_hf,
     export_peft,
+    generate,
     load_hf,
     load_peft,
     lora_trainable,
@@ -224,6 +225,10 @@ def test_peft_adapter_loads_against_peft(layout, tmp_path):
         merged = load_hf(str(tmp_path / "merged"), par, mesh)
         np.testing.assert_allclose(_peft_logits(merged, layout), expected["logits"], atol=1e-5, rtol=0)
         assert _tensor_bytes(tmp_path / "merged").keys() == _tensor_bytes(FIXTURES / "llama3").keys()
+        # Generation (its cached attention) runs the adapters: as the merged model does.
+        prompts = [list(map(int, expected["ids"][i, :5])) for i in range(2)]
+        run = lambda m: generate(m, mesh, prompts, max_len=16, max_new_tokens=8).tokens  # noqa: E731
+        assert run(adapted) == run(merged) != run(load_hf(str(FIXTURES / "llama3"), par, mesh))
 
 
 def _tensor_bytes_of(folder):

@@ -224,7 +224,7 @@ def _block(
         context_impl=par.context_impl, style=style, rotary=True,
         rotary_base=config.rotary_base, rotary_scaling=config.rotary_scaling, swiglu=True,
         qkv_bias=config.qkv_bias, eps=config.norm_eps, moe=experts, key=key,
-        **({} if lora is None else {"lora": lora}),
+        lora=lora,
     )  # fmt: skip
 
 

@@ -184,6 +184,7 @@ def _fold(w: Any, adapters: dict[str, LoRAAdapter], targets: tuple[str, ...]) ->
 def _merged_node(node: Any) -> Any:
     """An attention or MLP (global arrays) with its adapters folded in and removed."""
     ad = node.lora
+    fields: list[tuple[Any, tuple[str, ...]]]
     if isinstance(node, ParallelAttention):
         fields = [(lambda n: n.proj.weight.value, ("o",))]
         if node.qkv is not None:
