@@ -37,9 +37,10 @@ from ..sharding import Sharded
 from ._initializers import axis_size, check_positive, init_weight, value_of
 from ._linear import matmul_t
 
-LORA_TARGETS = TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections a `LoRA` can adapt, in this order (PEFT's `q_proj`, `k_proj`, `v_proj`,
 `o_proj`, `gate_proj`, `up_proj`, `down_proj`)."""
+TARGETS = LORA_TARGETS
 
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")
