@@ -197,10 +197,11 @@ def _peft_logits(model, layout):
     return _logits(model, np.load(FIXTURES / "llama3_lora" / "expected.npz")["ids"], layout)
 
 
-@pytest.mark.parametrize("layout", ["tp=4", "pp=2,dp=2,tp=2"])
+@pytest.mark.parametrize("layout", ["tp=4", "pp=2,fsdp=2,tp=2+r2"])
 def test_peft_adapter_loads_against_peft(layout, tmp_path):
     """The adapter `peft` saved on the Llama 3.1 fixture gives the logits `peft`
-    recorded; export writes PEFT's tensors byte for byte; merged, it exports as Llama."""
+    recorded (also from a circular pipeline of FSDP units, its layers stored dealt over
+    the stages); export writes PEFT's tensors byte for byte; merged, it exports as Llama."""
     from .test_hf_llama import _forward, _tensor_bytes
 
     folder = FIXTURES / "llama3_lora"
@@ -215,7 +216,10 @@ def test_peft_adapter_loads_against_peft(layout, tmp_path):
     for key in ("peft_type", "task_type", "r", "lora_alpha", "bias", "fan_in_fan_out", "use_rslora"):
         assert config[key] == original[key], key
     assert sorted(config["target_modules"]) == sorted(original["target_modules"])
-    if layout == "tp=4":
+    if layout != "tp=4":
+        merged = merge_lora(adapted)  # the pipeline's stacked weights, each where it was
+        np.testing.assert_allclose(_peft_logits(merged, layout), expected["logits"], atol=1e-5, rtol=0)
+    else:
         # Read back (onto the adapted model too): the same bytes again.
         again = load_peft(adapted, str(tmp_path / "peft"))
         export_peft(again, str(tmp_path / "again"), base_model_name_or_path="llama3")
