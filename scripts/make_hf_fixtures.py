@@ -4,7 +4,7 @@ saved by `transformers`, with their float32 logits, loss and greedy continuation
 Run by hand, in a virtual environment with the `hf-oracle` extra (torch, transformers;
 never needed to install, run or test equishard):
 
-    python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch transformers safetensors numpy
+    python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch transformers peft safetensors numpy
     /tmp/hf-venv/bin/python scripts/make_hf_fixtures.py tests/fixtures/hf
 
 Each family gets a folder `<family>/` (config.json, safetensors, generation_config.json,

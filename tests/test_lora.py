@@ -52,12 +52,13 @@ def _nonzero_b(model):
     def fill(x):
         if not isinstance(x, es.nn.LoRAAdapter):
             return x
-        a, b = x.a.value, x.b.value
-        out, r = b.shape[-2:]
+        a, b = jnp.asarray(x.a.value), x.b.value
+        out, r = jnp.shape(b)[-2:]
         # one value per unit, from its A (layout-independent), times a fixed pattern
         seed = jnp.mean(a, axis=(-2, -1), keepdims=True) * 3.0 + 1.0
-        pattern = jnp.broadcast_to(jnp.arange(out * r, dtype=b.dtype).reshape(out, r), b.shape)
-        new = 0.05 * jnp.sin(pattern + jnp.broadcast_to(seed, b.shape))
+        shape, dtype = jnp.shape(b), jnp.result_type(b)
+        pattern = jnp.broadcast_to(jnp.arange(out * r, dtype=dtype).reshape(out, r), shape)
+        new = 0.05 * jnp.sin(pattern + jnp.broadcast_to(seed, shape))
         if isinstance(b, jax.Array) and isinstance(b.sharding, jax.sharding.NamedSharding):
             new = jax.device_put(new, b.sharding)
         return eqx.tree_at(lambda y: y.b.value, x, new)
@@ -269,10 +270,9 @@ def test_a_peft_config_the_gpt_cannot_take_is_named(change, match, tmp_path):
 
 
 def test_live_against_peft(tmp_path):
-    pytest.importorskip("peft", reason="peft is not installed (the hf-oracle extra)")
+    peft = pytest.importorskip("peft", reason="peft is not installed (the hf-oracle extra)")
     torch = pytest.importorskip("torch", reason="torch is not installed (the hf-oracle extra)")
-    import peft
-    import transformers
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
     from .test_hf_llama import _forward
 

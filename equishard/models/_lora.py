@@ -109,7 +109,8 @@ def add_lora(model: GPT, lora: LoRA, *, key: PRNGKeyArray) -> GPT:
 
     **Arguments:**
 
-    - `model`: a `GPT` (global arrays, on a mesh or one device), without adapters.
+    - `model`: a `GPT` (global arrays, on a mesh or one device), without adapters. Its
+      arrays may be abstract (`eqx.filter_eval_shape`): the adapters are real.
     - `lora`: the rank, alpha and targets.
     - `key`: draws the adapters.
 
