@@ -29,6 +29,7 @@ from equishard.models import (
     merge_lora,
 )
 from equishard.models._internal import to_single_device
+from equishard.train import checkpoint_tensors
 
 from .helpers import assert_tree_allclose
 
@@ -263,10 +264,25 @@ def test_a_peft_config_the_gpt_cannot_take_is_named(change, match, tmp_path):
     model = add_lora(base, LoRA(4, targets=("q", "k", "v", "o", "gate", "up", "down")), key=jax.random.key(1))
     with pytest.raises(es.CheckpointError, match=match):
         load_peft(model, str(tmp_path / "a"))
+
+
+def test_peft_folders_and_dtypes(tmp_path):
+    base = GPT(GQA, key=jax.random.key(0))
+    model = add_lora(base, LoRA(4, targets=("q", "k", "v", "o", "gate", "up", "down")), key=jax.random.key(1))
     with pytest.raises(es.CheckpointError, match="adapter_config.json: cannot read"):
         load_peft(base, str(tmp_path))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
     with pytest.raises(es.CheckpointError, match="exists and is not empty"):
-        export_peft(model, str(tmp_path), base_model_name_or_path="x")
+        export_peft(model, str(tmp_path / "taken"), base_model_name_or_path="x")
+    with pytest.raises(es.CheckpointError, match="no LoRA adapters"):
+        export_peft(base, str(tmp_path / "none"), base_model_name_or_path="x")
+    # In another dtype (a bf16 model's adapters, as PEFT saves them), read back cast.
+    model = _nonzero_b(model)
+    export_peft(model, str(tmp_path / "bf16"), base_model_name_or_path="x", dtype="bfloat16")
+    assert {i.dtype for i in checkpoint_tensors(str(tmp_path / "bf16"), single="adapter_model.safetensors").values()} == {"BF16"}
+    again = load_peft(model, str(tmp_path / "bf16"))
+    assert_tree_allclose(eqx.filter(again, lora_trainable(again)), eqx.filter(model, lora_trainable(model)), rtol=1e-2)
 
 
 def test_live_against_peft(tmp_path):

@@ -43,7 +43,7 @@ from ..train import (
     write_safetensors,
 )
 from ._gpt import GPT, canonical_path
-from ._hf import _claim, _sync, _to_host
+from ._hf import _DTYPES, _claim, _sync, _to_host
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -292,7 +292,7 @@ def _peft_config(lora: LoRA, base_model_name_or_path: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str) -> str:
+def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str, dtype: Any = None) -> str:
     """Write the adapters of `model` as a PEFT LoRA adapter folder.
 
     `adapter_config.json` (`peft_type` `"LORA"`, `task_type` `"CAUSAL_LM"`, `r`,
@@ -308,6 +308,7 @@ def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str) -> str
     - `model`: an adapted `GPT` (global arrays, any layout).
     - `folder`: the target (must not exist, or be empty).
     - `base_model_name_or_path`: the base model's name or folder, recorded in the config.
+    - `dtype`: the tensors' dtype (NumPy's or `"bfloat16"`); default the adapters' own.
 
     **Returns:**
 
@@ -327,9 +328,10 @@ def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str) -> str
     tensors = []
     for path, source in mapping.items():
         value = arrays[path]
+        out = np.dtype(_DTYPES.get(str(dtype), dtype) if dtype is not None else value.dtype)
         for tensor in source_tensors(source):
             make = lambda s=source, t=tensor, v=value: _to_host(tensor_of(s, t, v, {}))  # noqa: E731
-            tensors.append(OutTensor(tensor, tuple(value.shape[-2:]), np.dtype(value.dtype), make))
+            tensors.append(OutTensor(tensor, tuple(value.shape[-2:]), out, make))
     tensors.sort(key=lambda t: t.name)
     if jax.process_index() != 0:
         for t in tensors:
