@@ -41,6 +41,7 @@ from ._lora import (
     add_lora as add_lora,
     export_peft as export_peft,
     load_peft as load_peft,
+    lora_of as lora_of,
     lora_trainable as lora_trainable,
     merge_lora as merge_lora,
     peft_mapping as peft_mapping,

@@ -166,6 +166,7 @@ class LoRAAdapter(eqx.Module):
 
     @property
     def rank(self) -> int:
+        """The adapter's rank `r` (`A`'s rows)."""
         return value_of(self.a).shape[-2]
 
     def column(self, x: Float[Array, "... in_features"]) -> Float[Array, "... out_local"]:
