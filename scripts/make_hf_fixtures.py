@@ -4,7 +4,7 @@ saved by `transformers`, with their float32 logits, loss and greedy continuation
 Run by hand, in a virtual environment with the `hf-oracle` extra (torch, transformers;
 never needed to install, run or test equishard):
 
-    python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch transformers safetensors numpy
+    python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch transformers peft safetensors numpy
     /tmp/hf-venv/bin/python scripts/make_hf_fixtures.py tests/fixtures/hf
 
 Each family gets a folder `<family>/` (config.json, safetensors, generation_config.json,
@@ -12,6 +12,13 @@ a tokenizer_config.json to show that tokenizer files travel with the weights) an
 `<family>/expected.npz`: `ids` (int32[8, 16]), `logits` (float32[8, 16, V], computed in
 float32 even for the bf16 checkpoint), `loss` (the mean next-token cross-entropy of
 `ids`), `prompt` (int32[4]) and `greedy` (int32[8], the greedy continuation of `prompt`).
+
+With `peft` installed too, `llama3_lora/` holds a PEFT LoRA adapter of the `llama3`
+fixture (r=4, lora_alpha=8, on q, k, v, o, gate, up and down, both factors random and
+non-zero), saved by `peft` (`adapter_config.json`, `adapter_model.safetensors`), and its
+`expected.npz`: `ids` and the adapted model's float32 `logits`. Only that one:
+
+    /tmp/hf-venv/bin/python scripts/make_hf_fixtures.py tests/fixtures/hf peft
 """
 
 from __future__ import annotations
@@ -110,10 +117,39 @@ def make(family: str, out: str) -> None:
     print(family, arch, sorted(os.listdir(folder)))
 
 
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft(out: str) -> None:
+    """A random LoRA adapter of the `llama3` fixture, saved by `peft`, and its logits."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "llama3"), dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_TARGETS, task_type="CAUSAL_LM"
+    )
+    model = peft.get_peft_model(base, config).eval()
+    g = torch.Generator().manual_seed(52)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # B too: the adapted model differs from its base
+                p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=torch.float32))
+    ids = np.load(os.path.join(out, "llama3", "expected.npz"))["ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor(ids, dtype=torch.long)).logits.numpy().astype(np.float32)
+    folder = os.path.join(out, "llama3_lora")
+    model.save_pretrained(folder)
+    os.remove(os.path.join(folder, "README.md"))  # peft's model card template
+    np.savez(os.path.join(folder, "expected.npz"), ids=ids, logits=logits)
+    print("llama3_lora", sorted(os.listdir(folder)))
+
+
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf"
-    for family in FAMILIES:
-        make(family, out)
+    if sys.argv[2:] != ["peft"]:
+        for family in FAMILIES:
+            make(family, out)
+    make_peft(out)
 
 
 if __name__ == "__main__":

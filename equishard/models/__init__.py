@@ -4,6 +4,7 @@ its report (`gpt_report`: the analytical minimum `gpt_minimum`, the memory estim
 `gpt_memory`, the model FLOPs `gpt_flops_per_token`).
 """
 
+from ..nn import LoRA as LoRA  # its home is `equishard.nn`
 from ..sharding import Parallelism as Parallelism  # its home is `equishard.sharding`
 from ._flops import (
     gpt_flops_per_token as gpt_flops_per_token,
@@ -35,6 +36,16 @@ from ._hf import (
     llama_config as llama_config,
     load_hf as load_hf,
     read_hf_config as read_hf_config,
+)
+from ._lora import (
+    add_lora as add_lora,
+    export_peft as export_peft,
+    load_peft as load_peft,
+    lora_of as lora_of,
+    lora_trainable as lora_trainable,
+    merge_lora as merge_lora,
+    peft_mapping as peft_mapping,
+    read_peft_config as read_peft_config,
 )
 from ._memory import gpt_memory as gpt_memory
 from ._minimum import gpt_minimum as gpt_minimum, gpt_param_rows as gpt_param_rows

@@ -31,6 +31,7 @@ from ..nn import (
     FSDP,
     ColumnParallelLinear,
     GathersFSDP,
+    LoRA,
     MoE,
     ParallelEmbedding,
     PipelineModule,
@@ -41,7 +42,7 @@ from ..nn import (
     remat_policy,
     vocab_parallel_cross_entropy,
 )
-from ..nn._internal import after as _after, matmul_t, scan_units, scannable
+from ..nn._internal import after as _after, lora_of, matmul_t, scan_units, scannable
 from ..sharding import (
     Parallelism,
     add_leading_axis,
@@ -200,8 +201,11 @@ class MoEAuxSum(eqx.Module):
         return jax.tree.map(jnp.add, self, other)
 
 
-def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray) -> TransformerBlock:
-    """One pre-norm block: rotary attention, then a SwiGLU MLP or (with `moe`) an MoE layer."""
+def _block(
+    config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray, lora: LoRA | None = None
+) -> TransformerBlock:
+    """One pre-norm block: rotary attention, then a SwiGLU MLP or (with `moe`) an MoE
+    layer; with `lora`, adapters on its targets."""
     style = "sequence" if par.sequence_parallel else "megatron"
     experts = None
     if moe:
@@ -220,6 +224,7 @@ def _block(config: GPTConfig, par: Parallelism, moe: bool, *, key: PRNGKeyArray)
         context_impl=par.context_impl, style=style, rotary=True,
         rotary_base=config.rotary_base, rotary_scaling=config.rotary_scaling, swiglu=True,
         qkv_bias=config.qkv_bias, eps=config.norm_eps, moe=experts, key=key,
+        lora=lora,
     )  # fmt: skip
 
 
@@ -228,11 +233,11 @@ class Unit(eqx.Module):
 
     blocks: list[TransformerBlock]
 
-    def __init__(self, config: GPTConfig, par: Parallelism, *, key: PRNGKeyArray):
+    def __init__(self, config: GPTConfig, par: Parallelism, *, key: PRNGKeyArray, lora: LoRA | None = None):
         k = max(config.moe_every, 1)
         keys = jax.random.split(key, k)
         self.blocks = [
-            _block(config, par, moe=config.moe_every > 0 and i == k - 1, key=keys[i])
+            _block(config, par, moe=config.moe_every > 0 and i == k - 1, key=keys[i], lora=lora)
             for i in range(k)
         ]
 
@@ -415,6 +420,8 @@ class GPT(eqx.Module, GathersFSDP):
     - `parallelism`: how the model uses the mesh (a `Parallelism`, normally from
       `equishard.Layout`); the default is one device.
     - `key`: a PRNG key. The global parameters depend on it alone, not on the layout.
+    - `lora`: LoRA adapters on the blocks' projections (`equishard.models.LoRA`; `None`:
+      none). To adapt a model that has its weights already, use `add_lora`.
     """
 
     embed: ParallelEmbedding
@@ -432,8 +439,9 @@ class GPT(eqx.Module, GathersFSDP):
     gradients are summed over the stages too (see `equishard.report.gpt_minimum`)."""
 
     def __init__(
-        self, config: GPTConfig, parallelism: Parallelism = Parallelism(), *, key: PRNGKeyArray
-    ):
+        self, config: GPTConfig, parallelism: Parallelism = Parallelism(), *, key: PRNGKeyArray,
+        lora: LoRA | None = None,
+    ):  # fmt: skip
         par = parallelism
         _check(config, par)
         ekey, ukey, hkey = jax.random.split(key, 3)
@@ -446,7 +454,7 @@ class GPT(eqx.Module, GathersFSDP):
         num_units = config.n_layers // max(config.moe_every, 1)
 
         def make_unit(key: PRNGKeyArray) -> Any:
-            unit: Any = Unit(config, par, key=key)
+            unit: Any = Unit(config, par, key=key, lora=lora)
             if par.fsdp:
                 unit = FSDP(unit, par.fsdp, min_weight_size=par.fsdp_min_weight_size)
             return unit
@@ -943,7 +951,8 @@ def to_single_device(model: GPT) -> GPT:
     `batch_chunks` is 1 (it runs a batch of any size, one example too).
     """
     config = dataclasses.replace(model.config, batch_chunks=1)
-    template = eqx.filter_eval_shape(lambda: GPT(config, Parallelism(), key=jax.random.key(0)))
+    lora = lora_of(model)
+    template = eqx.filter_eval_shape(lambda: GPT(config, Parallelism(), key=jax.random.key(0), lora=lora))
     leaves = [
         *jax.tree.leaves(es_unbox(model.embed)),
         *jax.tree.leaves(_canonical_units(model)),

@@ -29,6 +29,7 @@ from ._linear import (
     ColumnParallelLinear as ColumnParallelLinear,
     RowParallelLinear as RowParallelLinear,
 )
+from ._lora import LORA_TARGETS as LORA_TARGETS, LoRA as LoRA, LoRAAdapter as LoRAAdapter
 from ._moe import MoE as MoE, MoEAux as MoEAux
 from ._parallelize import (
     ColwiseParallel as ColwiseParallel,

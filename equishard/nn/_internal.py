@@ -8,3 +8,4 @@ from ._fsdp_scan import (
     scannable as scannable,
 )
 from ._linear import matmul_t as matmul_t
+from ._lora import lora_of as lora_of

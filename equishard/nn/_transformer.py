@@ -61,6 +61,15 @@ from ._initializers import (
     value_of,
 )
 from ._linear import ColumnParallelLinear, RowParallelLinear, add_bias, matmul_t
+from ._lora import (
+    MLP_TARGETS,
+    LoRA,
+    LoRAAdapter,
+    adapted,
+    adapted_row,
+    attention_adapters,
+    mlp_adapters,
+)
 from ._moe import MoE, MoEAux
 from ._remat import CONTEXT, MLP_IN, MLP_OUT, OUT_PROJ, QKV_PROJ
 
@@ -416,6 +425,7 @@ class ParallelAttention(eqx.Module):
     q: ColumnParallelLinear | None
     kv: ColumnParallelLinear | SharedKVLinear | None
     proj: RowParallelLinear
+    lora: dict[str, LoRAAdapter] | None
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
@@ -445,6 +455,7 @@ class ParallelAttention(eqx.Module):
         qkv_bias: bool | None = None,
         init_type: str = "xavier_normal",
         dtype: Any = None,
+        lora: LoRA | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -478,6 +489,10 @@ class ParallelAttention(eqx.Module):
           `bias`; Qwen2 has them, without one in the output projection).
         - `init_type`: the projections' init type.
         - `dtype`: the parameters' dtype.
+        - `lora`: LoRA adapters on its targets among q, k, v and o (`equishard.nn.LoRA`;
+          `None`: none), one `LoRAAdapter` each in the field `lora`, drawn from a key
+          derived from `key` (the projections' own arrays are those of the same key
+          without adapters).
         - `key`: a PRNG key.
         """
         name = "ParallelAttention"
@@ -530,6 +545,10 @@ class ParallelAttention(eqx.Module):
             d_model, d_model, axis_name=axis_name, bias=bias, input_is_parallel=True,
             init_type=init_type, sequence_parallel=sp, dtype=dtype, key=pkey,
         )  # fmt: skip
+        self.lora = attention_adapters(
+            lora, d_model, n_heads, n_kv_heads, kv_replicated=kv_replicated, axis_name=axis_name,
+            sequence_parallel=sp, dtype=dtype, key=key,
+        )  # fmt: skip
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -570,10 +589,14 @@ class ParallelAttention(eqx.Module):
         self._check_axis(n)
         heads = self.n_heads // n
         head_dim = self.d_model // self.n_heads
+        x0 = x  # the adapters' input, as the block holds it
         if self.qkv is not None:
             # f32[..., T(/n), D] -> q, k, v f32[..., T, D/n] -> f32[..., T, H/n, hd]: one
             # product each (`split`: no concatenation of their gradients).
-            q, k, v = (checkpoint_name(y, QKV_PROJ).reshape(*y.shape[:-1], heads, head_dim) for y in self.qkv.split(x))
+            parts = self.qkv.split(x)
+            if self.lora is not None:
+                parts = tuple(adapted(self.lora, t, y, x0) for t, y in zip(("q", "k", "v"), parts))
+            q, k, v = (checkpoint_name(y, QKV_PROJ).reshape(*y.shape[:-1], heads, head_dim) for y in parts)
             return q, k, v
         assert self.q is not None and self.kv is not None
         if is_bound(self.axis_name):
@@ -584,12 +607,21 @@ class ParallelAttention(eqx.Module):
             else:
                 x = mp_copy(x, axis_name=self.axis_name)
         # f32[..., T, D] @ f32[D, D/n] -> f32[..., T, H/n, hd]
-        q = checkpoint_name(self.q(x), QKV_PROJ)
+        q, kv = self.q(x), self.kv(x)
+        if self.lora is not None:
+            q, kv = adapted(self.lora, "q", q, x0), self._adapted_kv(kv, x0)
+        q = checkpoint_name(q, QKV_PROJ)
         q = q.reshape(*q.shape[:-1], heads, head_dim)
         # f32[..., T, D] @ f32[D, 2 Hkv_local hd] -> f32[..., T, 2, Hkv_local, hd]
-        kv = checkpoint_name(self.kv(x), QKV_PROJ)
+        kv = checkpoint_name(kv, QKV_PROJ)
         kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
+
+    def _adapted_kv(self, kv: Array, x: Array) -> Array:
+        """The key/value projection's output `[..., T, 2 h hd]` (keys, then values) with
+        the k and v adapters' additions for the same heads."""
+        k, v = jnp.split(kv, 2, axis=-1)
+        return jnp.concatenate([adapted(self.lora, "k", k, x), adapted(self.lora, "v", v, x)], axis=-1)
 
     def __call__(
         self,
@@ -640,7 +672,7 @@ class ParallelAttention(eqx.Module):
             out = attention_kernel(q, k, v, mask=AttentionMask(True, positions, positions, segment_ids, segment_ids))
         out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
-        return checkpoint_name(self.proj(out), OUT_PROJ)
+        return checkpoint_name(adapted_row(self.lora, "o", self.proj(out), out), OUT_PROJ)
 
     def cached(
         self,
@@ -717,7 +749,8 @@ class ParallelAttention(eqx.Module):
                 for c, n in zip(cache, (k, v))
             )
         # f32[B, S, D/n] @ f32[D/n, D] -> f32[B, S, D]
-        return self.proj(out.reshape(*out.shape[:-2], -1)), (kv[0], kv[1])
+        out = out.reshape(*out.shape[:-2], -1)
+        return adapted_row(self.lora, "o", self.proj(out), out), (kv[0], kv[1])
 
     def _qkv_one_product(self, x: Array) -> tuple[Array, Array, Array]:
         """`qkv_heads`'s queries, keys and values, one product per projection."""
@@ -726,15 +759,22 @@ class ParallelAttention(eqx.Module):
         heads, head_dim = self.n_heads // n, self.d_model // self.n_heads
         if self.qkv is not None:
             # f32[B, S, D] @ f32[D, 3 D/n] -> q, k, v f32[B, S, H/n, hd]
-            q, k, v = (y.reshape(*y.shape[:-1], heads, head_dim) for y in jnp.split(self.qkv(x), 3, axis=-1))
+            parts = jnp.split(self.qkv(x), 3, axis=-1)
+            parts = [adapted(self.lora, t, y, x) for t, y in zip(("q", "k", "v"), parts)]
+            q, k, v = (y.reshape(*y.shape[:-1], heads, head_dim) for y in parts)
             return q, k, v
         assert self.q is not None and self.kv is not None
-        q = self.q(x)
+        q = adapted(self.lora, "q", self.q(x), x)
         q = q.reshape(*q.shape[:-1], heads, head_dim)
         if isinstance(self.kv, SharedKVLinear):
             kv = self.kv.all_heads(x)  # f32[B, S, 2, Hkv_local, hd]
+            if self.lora is not None:
+                kv = self._adapted_kv(kv.reshape(*kv.shape[:-3], -1), x)
+                kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         else:
             kv = self.kv(x)
+            if self.lora is not None:
+                kv = self._adapted_kv(kv, x)
             kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
 
@@ -782,6 +822,7 @@ class ParallelMLP(eqx.Module):
 
     up: ColumnParallelLinear
     down: RowParallelLinear
+    lora: dict[str, LoRAAdapter] | None
     d_model: int = eqx.field(static=True)
     d_ff: int = eqx.field(static=True)
     swiglu: bool = eqx.field(static=True)
@@ -800,6 +841,7 @@ class ParallelMLP(eqx.Module):
         bias: bool = False,
         init_type: str = "xavier_normal",
         dtype: Any = None,
+        lora: LoRA | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -813,6 +855,8 @@ class ParallelMLP(eqx.Module):
         - `bias`: biases in the projections.
         - `init_type`: the projections' init type.
         - `dtype`: the parameters' dtype.
+        - `lora`: LoRA adapters on its targets among gate (SwiGLU's), up and down (as
+          `ParallelAttention`'s).
         - `key`: a PRNG key.
         """
         name = "ParallelMLP"
@@ -829,6 +873,10 @@ class ParallelMLP(eqx.Module):
         self.down = RowParallelLinear(
             d_ff, d_model, axis_name=axis_name, bias=bias, input_is_parallel=True,
             init_type=init_type, sequence_parallel=sp, dtype=dtype, key=dkey,
+        )  # fmt: skip
+        self.lora = mlp_adapters(
+            lora, d_model, d_ff, swiglu=swiglu, axis_name=axis_name, sequence_parallel=sp,
+            dtype=dtype, key=key,
         )  # fmt: skip
         self.d_model = d_model
         self.d_ff = d_ff
@@ -853,14 +901,16 @@ class ParallelMLP(eqx.Module):
             # f32[..., T(/n), D] -> gate, up f32[..., T, F/n]: one product each against
             # this device's gate block and up block of the stride-2 weight (`split`: no
             # concatenation of their gradients in the backward pass).
-            gate, up = (checkpoint_name(h, MLP_IN) for h in self.up.split(x))
+            gate, up = self.up.split(x)
+            gate, up = adapted(self.lora, "gate", gate, x), adapted(self.lora, "up", up, x)
+            gate, up = checkpoint_name(gate, MLP_IN), checkpoint_name(up, MLP_IN)
             # silu(gate) as `jax.nn.silu` computes it, unstaged (that one is a nested jit).
             h = gate * jax.lax.logistic(gate) * up
         else:
             # f32[..., T(/n), D] -> f32[..., T, F/n]
-            h = self.activation(checkpoint_name(self.up(x), MLP_IN))
+            h = self.activation(checkpoint_name(adapted(self.lora, "up", self.up(x), x), MLP_IN))
         # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]
-        return checkpoint_name(self.down(h), MLP_OUT)
+        return checkpoint_name(adapted_row(self.lora, "down", self.down(h), h), MLP_OUT)
 
 
 class TransformerBlock(eqx.Module):
@@ -910,10 +960,11 @@ class TransformerBlock(eqx.Module):
         - `attention`: the attention's options, as `ParallelAttention` takes them
           (`n_kv_heads`, `kv_replicated`, `axis_name`, `context_axis_name`,
           `context_impl`, `style`, `rotary`, `rotary_base`, `rotary_scaling`, `bias`,
-          `qkv_bias`, `init_type`, `dtype`); the MLP shares `axis_name` (the
+          `qkv_bias`, `init_type`, `dtype`, `lora`); the MLP shares `axis_name` (the
           tensor-parallel axis, default `"tp"`), `style` (`"megatron"`: activations
           replicated over the axis, or `"sequence"`: split over the sequence between
-          sub-layers), `bias`, `init_type` and `dtype`, and the norms `dtype`.
+          sub-layers), `bias`, `init_type`, `dtype` and `lora` (its gate, up and down
+          targets), and the norms `dtype`.
         """
         known = set(inspect.signature(ParallelAttention.__init__).parameters) - {"self", "d_model", "n_heads", "key"}
         unknown = sorted(set(attention) - known)
@@ -928,7 +979,14 @@ class TransformerBlock(eqx.Module):
             raise LayerConfigError(
                 f"TransformerBlock: the MoE layer's hidden={moe.hidden} is not d_model={d_model}."
             )
-        shared = {k: attention[k] for k in ("bias", "init_type", "dtype") if k in attention}
+        shared = {k: attention[k] for k in ("bias", "init_type", "dtype", "lora") if k in attention}
+        lora = attention.get("lora")
+        if moe is not None and lora is not None and any(t in MLP_TARGETS for t in lora.targets):
+            raise LayerConfigError(
+                f"LoRA: targets {[t for t in lora.targets if t in MLP_TARGETS]} are not in this "
+                f"block: its feed-forward layer is a mixture of experts (no gate, up or down "
+                f"projection); adapt q, k, v or o."
+            )
         akey, mkey = jax.random.split(key)
         self.norm1 = RMSNorm(d_model, eps=eps, dtype=shared.get("dtype"))
         self.attn = ParallelAttention(d_model, n_heads, **attention, key=akey)
@@ -1033,7 +1091,8 @@ class TransformerBlock(eqx.Module):
         # f32[B, S, D] @ f32[D, (2) F/n]: one product, its pieces split from the output
         if mlp.swiglu:
             gate, up = jnp.split(mlp.up(h), 2, axis=-1)
+            gate, up = adapted(mlp.lora, "gate", gate, h), adapted(mlp.lora, "up", up, h)
             h = gate * jax.lax.logistic(gate) * up
         else:
-            h = mlp.activation(mlp.up(h))
-        return x + mlp.down(h), kv
+            h = mlp.activation(adapted(mlp.lora, "up", mlp.up(h), h))
+        return x + adapted_row(mlp.lora, "down", mlp.down(h), h), kv

@@ -234,9 +234,10 @@ def _file_tensors(path: str) -> dict[str, TensorInfo]:
     }
 
 
-def checkpoint_tensors(folder: str) -> dict[str, TensorInfo]:
+def checkpoint_tensors(folder: str, *, single: str = SINGLE) -> dict[str, TensorInfo]:
     """Every tensor of the safetensors checkpoint in `folder` (one `model.safetensors`,
-    or several files listed by `model.safetensors.index.json`).
+    or several files listed by `model.safetensors.index.json`; `single`: the one file's
+    name, e.g. PEFT's `adapter_model.safetensors`).
 
     **Raises:**
 
@@ -246,10 +247,10 @@ def checkpoint_tensors(folder: str) -> dict[str, TensorInfo]:
     """
     index_path = os.path.join(folder, INDEX)
     if not os.path.exists(index_path):
-        single = os.path.join(folder, SINGLE)
-        if not os.path.exists(single):
-            raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX} is there.")
-        return _file_tensors(single)
+        path = os.path.join(folder, single)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{folder}: neither {single} nor {INDEX} is there.")
+        return _file_tensors(path)
     try:
         with open(index_path) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
@@ -364,7 +365,7 @@ def check_mapping(
 
 def load_safetensors(
     skeleton: PyTree, mapping: Mapping[str, Source], folder: str, *, mesh: Mesh,
-    ignore: Iterable[str] = (),
+    ignore: Iterable[str] = (), single: str = SINGLE,
 ) -> PyTree:  # fmt: skip
     """Fill every array of `skeleton` from the safetensors checkpoint in `folder`.
 
@@ -384,6 +385,7 @@ def load_safetensors(
       `model.safetensors.index.json`.
     - `mesh`: the mesh the arrays are placed on, each by its spec.
     - `ignore`: checkpoint tensors that may stay unused.
+    - `single`: the name of a one-file checkpoint (`checkpoint_tensors`).
 
     **Returns:**
 
@@ -396,7 +398,7 @@ def load_safetensors(
     tensor data is read (see `checkpoint_tensors` and `check_mapping`).
     """
     check_tree_specs(skeleton, specs_of(skeleton), mesh)
-    tensors = checkpoint_tensors(folder)
+    tensors = checkpoint_tensors(folder, single=single)
     check_mapping(skeleton, mapping, tensors, ignore=ignore)
     shapes = {n: t.shape for n, t in tensors.items()}
     arrays = array_paths(skeleton)
@@ -477,7 +479,7 @@ class OutTensor:
 
 def write_safetensors(
     folder: str, tensors: Sequence[OutTensor], *, max_shard_bytes: int = 5 * 2**30,
-    metadata: Mapping[str, str] | None = None,
+    metadata: Mapping[str, str] | None = None, single: str = SINGLE,
 ) -> list[str]:  # fmt: skip
     """Write `tensors` into `folder` as safetensors files of at most `max_shard_bytes`
     (one tensor larger than that gets a file of its own), one tensor at a time.
@@ -485,7 +487,8 @@ def write_safetensors(
     Each file's header is written first (the shapes and dtypes are known), then each
     tensor's bytes as `make()` returns them: the host holds one tensor at a time. With
     more than one file, `model.safetensors.index.json` lists them
-    (`model-00001-of-0000N.safetensors`, ...); with one it is `model.safetensors`.
+    (`model-00001-of-0000N.safetensors`, ...); with one it is `single`
+    (`model.safetensors` unless given).
 
     **Returns:**
 
@@ -505,7 +508,7 @@ def write_safetensors(
         groups[-1].append(t)
         size += nbytes
     n = len(groups)
-    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = [single] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for file, group in zip(names, groups):
         _write_file(os.path.join(folder, file), group, metadata or {"format": "pt"})
     if n > 1:
