@@ -80,7 +80,7 @@ def _adapters(model):
 def _layout(layout: str):
     spec, sp = layout.split("+")[0], layout.endswith("+sp")
     resolved = es.Layout(spec, sequence_parallel=sp).resolve()
-    return resolved.mesh(), resolved.parallelism, resolved.batch_spec
+    return resolved.mesh(), resolved, resolved.batch_spec
 
 
 @functools.cache
