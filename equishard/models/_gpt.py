@@ -905,10 +905,12 @@ def canonical_path(path: str) -> str:
 
     The same parameter is `model.units.module.blocks[0]...` under FSDP (the `FSDP`
     wrapper), `model.units.layers.unit.blocks[0]...` in a pipeline and
-    `model.units.blocks[0]...` otherwise; checkpoints store it under the last, so that
-    a run saved under one layout restores under another.
+    `model.units.blocks[0]...` otherwise (a pipeline of FSDP units nests both:
+    `model.units.layers.unit.module.blocks[0]...`); checkpoints store it under the last,
+    so that a run saved under one layout restores under another.
     """
-    return path.replace(".units.module.", ".units.").replace(".units.layers.unit.", ".units.")
+    # The pipeline's level first: what it leaves of a pipeline of FSDP units is `.units.module.`.
+    return path.replace(".units.layers.unit.", ".units.").replace(".units.module.", ".units.")
 
 
 def _canonical_units(model: GPT) -> Any:
