@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 import equishard as es
-from equishard.models import GPT, GPTConfig
+from equishard.models import GPT, GPTConfig, export_hf, load_hf
 from equishard.models._internal import canonical_path, to_single_device
 from equishard.train import Checkpointer
 
@@ -44,3 +44,81 @@ def test_a_pipeline_of_fsdp_checkpoint_restores_under_dp(tmp_path):
     assert len(want) == len(got)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+PAGES_CHILD = '''
+import json, os, sys
+from equishard.distributed import initialize
+initialize()  # join the other process, before any JAX computation
+import jax, numpy as np
+import equishard as es
+from equishard.train import _safetensors
+
+pages, through_preadv, returned = set(), [0], [0]
+real_preadv, make_reader = os.preadv, _safetensors._reader
+def preadv(fd, buffers, offset):
+    got = real_preadv(fd, buffers, offset)
+    name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+    pages.update((name, p) for p in range(offset // 4096, (offset + got + 4095) // 4096))
+    through_preadv[0] += got
+    return got
+os.preadv = preadv
+def counting(infos):
+    read = make_reader(infos)
+    def wrapped(name, index):
+        out = read(name, index)
+        returned[0] += out.nbytes
+        return out
+    return wrapped
+_safetensors._reader = counting
+
+from equishard.models import load_hf
+layout = es.Layout("fsdp=8")
+model = load_hf(sys.argv[2], layout.parallelism(), layout.mesh())
+held = 0
+for leaf in jax.tree.leaves(model):
+    held += sum({tuple((i.start, i.stop) for i in s.index): s.data.nbytes for s in leaf.addressable_shards}.values())
+mine = {f"{p}:{n}": float(np.asarray(s.data).sum()) for p, leaf in enumerate(jax.tree.leaves(model)) for s in leaf.addressable_shards for n in [str(s.index)]}
+print("RESULT", json.dumps({"process": jax.process_index(), "pages": sorted(map(list, pages)), "held": held,
+                            "preadv": through_preadv[0], "returned": returned[0], "sums": mine}))
+'''
+
+
+def test_two_processes_read_disjoint_pages_of_column_split_weights(tmp_path):
+    """fsdp=8 over 2 processes splits every weight over its columns (half of each row to
+    each process): the pages each process reads (`os.preadv`, wrapped) are its own
+    share of the files, at most 1.05x its blocks' bytes, barely any page read by both."""
+    from .test_hf_llama import _launch_two
+
+    config = GPTConfig(vocab_size=1024, d_model=256, n_heads=4, n_kv_heads=4, n_layers=2, d_ff=512, norm_eps=1e-5)
+    model, mesh = _gpt("dp=8", config)
+    export_hf(model, str(tmp_path / "hf"), max_shard_bytes=2 * 2**20)  # several files
+    results = sorted(_launch_two(tmp_path, PAGES_CHILD, str(tmp_path / "hf")), key=lambda r: r["process"])
+    page_sets = [{tuple(p) for p in r["pages"]} for r in results]
+    for r, pages in zip(results, page_sets):
+        assert r["preadv"] == r["returned"], r["preadv"]  # every byte read by position
+        assert len(pages) * 4096 <= 1.05 * r["held"], (len(pages) * 4096, r["held"])
+    # Shared: the pages at the ends of each process's share of a tensor, and tensors
+    # smaller than a page (the norms).
+    assert len(page_sets[0] & page_sets[1]) * 4096 <= 0.05 * results[0]["held"]
+    # The blocks are the model's.
+    layout = es.Layout("fsdp=8")
+    again = load_hf(str(tmp_path / "hf"), layout.parallelism(), layout.mesh())
+    want = {f"{p}:{s.index}": float(np.asarray(s.data).sum()) for p, leaf in enumerate(jax.tree.leaves(again)) for s in leaf.addressable_shards}
+    for r in results:
+        for key, value in r["sums"].items():
+            assert abs(value - want[key]) <= 1e-5 * max(1.0, abs(want[key])), key
+
+
+def test_positional_reads_cut_any_block(tmp_path):
+    from equishard.train import OutTensor, checkpoint_tensors, write_safetensors
+    from equishard.train._safetensors import _pread_block
+
+    x = np.arange(4 * 5 * 6 * 7, dtype=np.float32).reshape(4, 5, 6, 7)
+    write_safetensors(str(tmp_path), [OutTensor("x", x.shape, np.float32, lambda: x)])
+    info = checkpoint_tensors(str(tmp_path))["x"]
+    for index in [(slice(0, 4), slice(0, 5), slice(0, 6), slice(0, 7)), (slice(1, 3), slice(0, 5), slice(0, 6), slice(0, 7)),
+                  (slice(1, 3), slice(2, 4), slice(0, 6), slice(0, 7)), (slice(0, 4), slice(1, 5), slice(2, 3), slice(0, 7)),
+                  (slice(3, 4), slice(4, 5), slice(5, 6), slice(6, 7)), (slice(0, 4), slice(0, 5), slice(0, 6), slice(2, 5)),
+                  (slice(2, 2), slice(0, 5), slice(0, 6), slice(0, 7))]:  # fmt: skip
+        np.testing.assert_array_equal(_pread_block(info, index), x[index])
