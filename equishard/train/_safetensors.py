@@ -298,13 +298,22 @@ class TensorInfo:
 
 
 def _header(path: str) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset of its data."""
+    """The JSON header of a safetensors file and the offset of its data.
+
+    Read as the blocks are, readahead off: a buffered read would leave the kernel's
+    readahead mark on the pages after the header, and a block read through them later
+    would make it read tens of MiB ahead (measured: 33 MiB on a 16 MiB read).
+    """
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            size = int.from_bytes(os.pread(fd, 8, 0), "little")
             if size > 100_000_000:  # safetensors' own limit
                 raise ValueError(f"a header of {size} bytes")
-            header = json.loads(f.read(size))
+            header = json.loads(os.pread(fd, size, 8))
+        finally:
+            os.close(fd)
         if not isinstance(header, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
