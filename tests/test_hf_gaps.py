@@ -2,14 +2,22 @@
 training on a padded vocabulary, the end-of-run model written one array at a time, and
 each process of a 2-process load reading only its own share of the files."""
 
+import dataclasses
+import pathlib
+
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.models import GPT, GPTConfig, export_hf, load_hf
 from equishard.models._internal import canonical_path, to_single_device
 from equishard.train import Checkpointer
+
+from .helpers import rel_err
 
 SMALL = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=48)
 
@@ -122,3 +130,64 @@ def test_positional_reads_cut_any_block(tmp_path):
                   (slice(3, 4), slice(4, 5), slice(5, 6), slice(6, 7)), (slice(0, 4), slice(0, 5), slice(0, 6), slice(2, 5)),
                   (slice(2, 2), slice(0, 5), slice(0, 6), slice(0, 7))]:  # fmt: skip
         np.testing.assert_array_equal(_pread_block(info, index), x[index])
+
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+
+
+def test_the_fused_loss_leaves_the_padding_ids_out():
+    from equishard.core import fused_linear_cross_entropy
+
+    key = jax.random.key(3)
+    h = jax.random.normal(key, (2, 5, 8))
+    w = jax.random.normal(jax.random.fold_in(key, 1), (12, 8))  # 9 real ids, 3 padding rows
+    labels = jax.random.randint(jax.random.fold_in(key, 2), (2, 5), 0, 9)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, chunk_size=4)
+
+    def loss(h, w, **kw):
+        return fused_linear_cross_entropy(h, w, labels, **opts, **kw).loss
+
+    value, (dh, dw) = jax.value_and_grad(lambda h, w: loss(h, w, vocab_size=9), argnums=(0, 1))(h, w)
+    want, (want_dh, want_dw) = jax.value_and_grad(loss, argnums=(0, 1))(h, w[:9])
+    assert rel_err(value, want) <= 1e-6 and rel_err(dh, want_dh) <= 1e-5
+    assert rel_err(dw[:9], want_dw) <= 1e-5 and not np.asarray(dw[9:]).any()
+    with pytest.raises(es.LayerConfigError, match="vocab_size=13 must be a number of ids from 1 to the weight's 12 rows"):
+        loss(h, w, vocab_size=13)
+
+
+def _gpt_loss_and_grads(model, mesh, batch_spec, batch):
+    def body(model, batch):
+        return eqx.filter_value_and_grad(lambda m: m.loss(batch)[0])(model)
+
+    step = es.filter_shard_map(body, mesh=mesh, in_specs=(None, batch_spec), out_specs=(P(), None))
+    return eqx.filter_jit(step)(model, batch)
+
+
+def test_training_on_a_vocabulary_tp_does_not_divide():
+    """The Llama 3.2 fixture's 61 ids padded to 62 (tp=2) and 64 (fsdp=4,tp=2): the loss
+    and gradients of the unpadded one-device model, the padding rows untouched."""
+    folder = str(FIXTURES / "llama32_bf16")
+    flat = es.Layout("dp=8").resolve()
+    one = to_single_device(es.gather(load_hf(folder, flat.parallelism, flat.mesh())))
+    assert one.config.vocab_size == 61 and one.config.real_vocab_size is None
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 61, (8, 17)), jnp.int32)
+    want, want_grads = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, b: m.loss(b)[0]))(one, batch)
+    want_grads = jax.tree.leaves(eqx.filter(want_grads, eqx.is_array))
+    for spec, fused in [("tp=2", True), ("tp=2", False), ("fsdp=4,tp=2", True)]:
+        layout = es.Layout(spec).resolve()
+        model = load_hf(folder, layout.parallelism, layout.mesh())
+        if not fused:  # the same arrays in a GPT whose loss forms the logits
+            config = dataclasses.replace(model.config, fused_loss=False)
+            with jax.sharding.use_abstract_mesh(layout.mesh().abstract_mesh):
+                shape = eqx.filter_eval_shape(lambda: GPT(config, layout.parallelism, key=jax.random.key(0)))
+            model = jax.tree.unflatten(jax.tree.structure(shape), jax.tree.leaves(model))
+        assert model.config.real_vocab_size == 61 and model.config.vocab_size in (62, 64)
+        loss, grads = _gpt_loss_and_grads(model, layout.mesh(), layout.batch_spec, batch)
+        assert rel_err(loss, want) <= 1e-5, (spec, float(loss), float(want))
+        got = jax.tree.leaves(eqx.filter(to_single_device(es.gather(grads)), eqx.is_array))
+        for g, w in zip(got, want_grads, strict=True):
+            g = np.asarray(g)
+            if g.shape != w.shape:  # the tied embedding [V, D]: its padding rows get nothing
+                assert not g[61:].any(), spec
+                g = g[:61]
+            assert rel_err(g, w) <= 1e-5, (spec, fused, g.shape)

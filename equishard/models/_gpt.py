@@ -114,8 +114,8 @@ class GPTConfig:
       high_freq_factor, original_max_position_embeddings)`, or `None`.
     - `real_vocab_size`: with a vocabulary padded to divide the tensor axis, the number
       of real ids (`None`: all `vocab_size`): the logits of the padding ids are the
-      lowest finite value, so they are never sampled. (The training loss still sums
-      over every id: their zero rows add a constant to its partition function.)
+      lowest finite value, so they are never sampled, and the loss leaves them out
+      (the cross-entropy of the real ids alone; the padding rows get no gradient).
     - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁷ logits
       per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 2048 tokens
       at a vocabulary of 50304).
@@ -573,15 +573,7 @@ class GPT(eqx.Module, GathersFSDP):
     def _masked(self, logits: Array) -> Array:
         """`logits` `[B, T, V/tp]` with the padding ids' (`GPTConfig.real_vocab_size`) set
         to the lowest finite value."""
-        real = self.config.real_vocab_size
-        if real is None or real >= self.config.vocab_size:
-            return logits
-        local = logits.shape[-1]
-        ids = jnp.arange(local)
-        tp = tensor_axis(self.parallelism)
-        if is_bound(tp):
-            ids = ids + jax.lax.axis_index(tp) * local
-        return jnp.where(ids < real, logits, jnp.finfo(logits.dtype).min)
+        return _mask_padding_ids(self.config, self.parallelism, logits)
 
     def _cross_entropy(self, h: Array, labels: Array) -> Float[Array, ""]:
         """The mean cross-entropy of the local tokens from the blocks' output `h`."""
@@ -783,6 +775,20 @@ def _mean_cross_entropy(
     return _cross_entropy_sums(config, par, h, head, table, labels, None)[0] / labels.size
 
 
+def _mask_padding_ids(config: GPTConfig, par: Parallelism, logits: Array) -> Array:
+    """`logits` `[..., V/tp]` with the padding ids' (`GPTConfig.real_vocab_size`) set to
+    the lowest finite value: no weight in a softmax, never an argmax."""
+    real = config.real_vocab_size
+    if real is None or real >= config.vocab_size:
+        return logits
+    local = logits.shape[-1]
+    ids = jnp.arange(local)
+    tp = tensor_axis(par)
+    if is_bound(tp):
+        ids = ids + jax.lax.axis_index(tp) * local
+    return jnp.where(ids < real, logits, jnp.finfo(logits.dtype).min)
+
+
 def _cross_entropy_sums(
     config: GPTConfig, par: Parallelism, h: Array, head: ColumnParallelLinear | None,
     table: Any, labels: Array, ignore_index: int | None,
@@ -795,8 +801,9 @@ def _cross_entropy_sums(
             h = gather_tokens(h, tp)  # f32[B, T/tp, D] -> f32[B, T, D]
         weight = head.weight if head is not None else table
         sums = fused_cross_entropy(
-            h, weight, labels, tp, chunk_size=config.loss_chunk_size, ignore_index=ignore_index
-        )
+            h, weight, labels, tp, chunk_size=config.loss_chunk_size, ignore_index=ignore_index,
+            vocab_size=config.real_vocab_size,
+        )  # the padding ids of a padded vocabulary count for nothing
         return sums.loss, sums.tokens
     if head is not None:
         logits = head(h)
@@ -805,6 +812,7 @@ def _cross_entropy_sums(
             h = gather_tokens(h, tp)
         # f32[B, T, D] @ f32[D, V/tp]
         logits = matmul_t(h, jnp.asarray(table.value))
+    logits = _mask_padding_ids(config, par, logits)
     ce = vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, tp, ignore_index=ignore_index)
     count = labels.size if ignore_index is None else jnp.sum(labels != ignore_index)
     return jnp.sum(ce), jnp.asarray(count, jnp.int32)
