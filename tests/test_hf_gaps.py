@@ -4,6 +4,7 @@ each process of a 2-process load reading only its own share of the files."""
 
 import dataclasses
 import pathlib
+import weakref
 
 import equinox as eqx
 import jax
@@ -191,3 +192,31 @@ def test_training_on_a_vocabulary_tp_does_not_divide():
                 assert not g[61:].any(), spec
                 g = g[:61]
             assert rel_err(g, w) <= 1e-5, (spec, fused, g.shape)
+
+
+def test_the_model_file_is_written_one_array_at_a_time(tmp_path, monkeypatch):
+    """`export_model` of a model split over fsdp=4,tp=2 writes the bytes the gathered
+    model's `eqx.tree_serialise_leaves` writes, never gathering it, and holds one array on
+    the host at a time."""
+    from equishard.train import _export, export_model
+
+    model, _ = _gpt("fsdp=4,tp=2")
+    plain = to_single_device(model)
+    with open(tmp_path / "old.eqx", "wb") as f:  # the route before: gathered, then written
+        eqx.tree_serialise_leaves(f, es.unbox(es.gather(plain)))
+    alive, host_array = [], _export.host_array
+
+    def one_at_a_time(x):
+        assert all(ref() is None for ref in alive), "an earlier array is still held"
+        out = host_array(x)
+        alive.append(weakref.ref(out))
+        return out
+
+    def never(*args, **kwargs):
+        raise AssertionError("gathered")
+
+    monkeypatch.setattr(_export, "host_array", one_at_a_time)
+    monkeypatch.setattr(_export, "gather", never)
+    export_model(plain, tmp_path / "new.eqx")
+    assert len(alive) == len(jax.tree.leaves(plain)) == 10
+    assert (tmp_path / "new.eqx").read_bytes() == (tmp_path / "old.eqx").read_bytes()
