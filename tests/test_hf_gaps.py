@@ -23,8 +23,8 @@ from .helpers import rel_err
 SMALL = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=48)
 
 
-def _gpt(layout: str, config: GPTConfig = SMALL, seed: int = 0):
-    resolved = es.Layout(layout).resolve()
+def _gpt(layout: str, config: GPTConfig = SMALL, seed: int = 0, **layout_kw):
+    resolved = es.Layout(layout, **layout_kw).resolve()
     mesh, par = resolved.mesh(), resolved.parallelism
     return es.sharded_init(lambda k: GPT(config, par, key=k), jax.random.key(seed), mesh=mesh), mesh
 
@@ -194,14 +194,17 @@ def test_training_on_a_vocabulary_tp_does_not_divide():
             assert rel_err(g, w) <= 1e-5, (spec, fused, g.shape)
 
 
-def test_the_model_file_is_written_one_array_at_a_time(tmp_path, monkeypatch):
-    """`export_model` of a model split over fsdp=4,tp=2 writes the bytes the gathered
-    model's `eqx.tree_serialise_leaves` writes, never gathering it, and holds one array on
-    the host at a time."""
+@pytest.mark.parametrize("layout, repeats", [("fsdp=4,tp=2", 1), ("pp=2,fsdp=2,tp=2", 2)])
+def test_the_model_file_is_written_one_array_at_a_time(tmp_path, monkeypatch, layout, repeats):
+    """`export_model` of a model split over fsdp=4,tp=2 or a circular pipeline writes the
+    bytes the gathered model's `eqx.tree_serialise_leaves` writes, never gathering it,
+    and holds one array on the host at a time."""
     from equishard.train import _export, export_model
 
-    model, _ = _gpt("fsdp=4,tp=2")
+    model, _ = _gpt(layout, pipeline_repeats=repeats)
     plain = to_single_device(model)
+    if repeats > 1:  # the stacked layers stay split over the stages (none holds them all)
+        assert all(x.sharding.spec[0] == "pp" for x in jax.tree.leaves(plain) if x.shape[0] == SMALL.n_layers)
     with open(tmp_path / "old.eqx", "wb") as f:  # the route before: gathered, then written
         eqx.tree_serialise_leaves(f, es.unbox(es.gather(plain)))
     alive, host_array = [], _export.host_array

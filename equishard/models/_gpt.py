@@ -21,12 +21,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
 from .._names import ALLTOALL, RING, differentiated_scan
-from ..core import from_last_stage, gather_tokens, zigzag_indices
+from ..core import from_last_stage, gather_tokens, pipeline_layer_order, zigzag_indices
 from ..nn import (
     FSDP,
     ColumnParallelLinear,
@@ -922,17 +923,33 @@ def canonical_path(path: str) -> str:
 
 
 def _canonical_units(model: GPT) -> Any:
-    """The model's units as one unboxed stack `[num_units, ...]` in model order."""
+    """The model's units as one unboxed stack `[num_units, ...]` in model order.
+
+    A pipeline's stack is its own arrays (stored stage by stage: model order unless the
+    pipeline is circular, whose layers are then reordered, each device keeping its
+    share): no copy of every layer on every stage, as stacking the layers one by one
+    would make.
+    """
     units = model.units
-    if isinstance(units, PipelineModule):
-        layers = [layer.unit for layer in units.unstack()]
-    else:
-        layers = None
     unwrap = lambda u: es_unbox(u.module if isinstance(u, FSDP) else u)  # noqa: E731
-    if layers is None:
+    if not isinstance(units, PipelineModule):
         return unwrap(units)
-    plain = [unwrap(layer) for layer in layers]
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *plain)
+    stacked = unwrap(es_unbox(units.layers).unit)  # [L, ...] in stored order
+    order = pipeline_layer_order(units.num_layers, units.num_stages, units.repeats)
+    position = {layer: p for p, layer in enumerate(order)}
+    take = np.asarray([position[layer] for layer in range(units.num_layers)])
+    if np.array_equal(take, np.arange(units.num_layers)):
+        return stacked
+
+    def reorder(a: Any) -> Any:
+        if not eqx.is_array(a):
+            return a
+        if isinstance(a, jax.Array) and not isinstance(a, jax_core.Tracer):
+            # Each device keeps its share of the stack (eager indexing would replicate it).
+            return jax.jit(lambda x: x[take], out_shardings=a.sharding)(a)
+        return a[take]
+
+    return jax.tree.map(reorder, stacked)
 
 
 def to_single_device(model: GPT) -> GPT:
