@@ -268,7 +268,12 @@ def _read_sharding(
     mesh = sharding.mesh
     if jax.process_count() == 1 or not shape:
         return None
-    layout_run = min(_min_run(source, i, tensors) for i in _blocks(sharding, shape, False).values())
+
+    def shortest(split: NamedSharding) -> float:  # over the distinct blocks
+        distinct = {tuple((s.start, s.stop) for s in i): i for i in _blocks(split, shape, False).values()}
+        return min(_min_run(source, i, tensors) for i in distinct.values())
+
+    layout_run = shortest(sharding)
     if layout_run >= RUN_BYTES:
         return None
     names = list(mesh.axis_names)
@@ -278,8 +283,7 @@ def _read_sharding(
             if size > 1 and shape[dim] % size == 0:
                 spec = P(*(tuple(names[:k]) if d == dim else None for d in range(len(shape))))
                 split = NamedSharding(mesh, spec)
-                split_run = min(_min_run(source, i, tensors) for i in _blocks(split, shape, False).values())
-                return split if split_run > layout_run else None
+                return split if shortest(split) > layout_run else None
     return None
 
 
