@@ -60,8 +60,8 @@ def init_from_hf(
     **Raises:**
 
     `CheckpointError` naming the architecture, option, file or tensor at fault, before any
-    tensor is read; for a vocabulary the tensor axis does not divide (its padding would
-    count in the training loss); or for a `<run_dir>/hf-source/` that exists already.
+    tensor is read, or for a `<run_dir>/hf-source/` that exists already. (A vocabulary
+    the tensor axis does not divide is padded: `GPTConfig.real_vocab_size`.)
     """
     folder = os.fspath(folder)
     hf_model_config(folder, layout, seq_len=seq_len)  # refused before any tensor is read
@@ -80,15 +80,6 @@ def hf_model_config(folder: str | os.PathLike[str], layout: Parallelism, *, seq_
     folder = os.fspath(folder)
     tp = layout.size(layout.tensor)  # the vocabulary is padded to a multiple of it
     config = gpt_config_from_hf(read_hf_config(folder), vocab_multiple=tp, seq_len=seq_len)
-    if config.real_vocab_size is not None:
-        # The fused loss sums over every id: the padding rows would count in its
-        # partition function (and be trained). Refused rather than silently off.
-        raise CheckpointError(
-            f"--init-from {folder}: the vocabulary of {config.real_vocab_size} ids does not "
-            f"divide the tensor-parallel axis {layout.tensor!r} of size {tp}; "
-            f"padding it would add the padding ids to the training loss. Choose a layout "
-            f"whose tp divides {config.real_vocab_size}."
-        )
     return config
 
 

@@ -1022,10 +1022,9 @@ def _finish(
     if config.plot and coordinator:
         title = f"{config.model} GPT, layout {config.layout}, {config.dtype}"
         phases.timed("export", lambda: plot_losses(rows, run_dir / "loss.png", title))
-    # The trained network as a plain one-device Equinox model (eqx.tree_serialise_leaves).
-    exported = phases.timed(
-        "export", lambda: export_model(to_single_device(gather(state.model)), run_dir / "model.eqx")
-    )
+    # The trained network as a plain one-device Equinox model (eqx.tree_serialise_leaves),
+    # written an array at a time from the host: never gathered onto one device.
+    exported = phases.timed("export", lambda: export_model(to_single_device(state.model), run_dir / "model.eqx"))
     sample = ""
     if config.sample_bytes and stop.stop():
         return _stopped_at_end(config, f"the model is in {exported}; the sample was", stop, print_fn)

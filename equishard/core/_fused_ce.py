@@ -66,6 +66,7 @@ class _Options(NamedTuple):
     axes: tuple[str, ...]  # the bound vocabulary axes, () for none
     chunk: int
     vocab: int  # the global vocabulary
+    real: int  # the ids below it are real; the weight's rows from it on are padding
     ignore_index: int | None
     z_loss: float
     smoothing: float
@@ -99,6 +100,9 @@ def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: 
     z = jnp.tensordot(h, w, axes=((1,), (1,))).astype(jnp.float32)
     if opts.softcap is not None:
         z = opts.softcap * jnp.tanh(z / opts.softcap)
+    if opts.real < opts.vocab:
+        # Padding ids: -inf, outside the maximum, the exponentials' sum and the argmax.
+        z = jnp.where(_real_ids(vocab_local, start, opts), z, -jnp.inf)
     local_max = jnp.max(z, axis=-1)
     m = _reduce(local_max, "max", opts)  # f32[C]: the global maximum
     # The exponentials are summed where they are made (never stored: the gradient makes
@@ -113,7 +117,8 @@ def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: 
     ce = lse - target
     loss = ce
     if opts.smoothing:
-        mean_z = _reduce(jnp.sum(z, axis=-1), "sum", opts) / opts.vocab
+        real_z = z if opts.real == opts.vocab else jnp.where(_real_ids(vocab_local, start, opts), z, 0.0)
+        mean_z = _reduce(jnp.sum(real_z, axis=-1), "sum", opts) / opts.real
         loss = (1.0 - opts.smoothing) * ce + opts.smoothing * (lse - mean_z)
     if opts.z_loss:
         loss = loss + opts.z_loss * lse**2
@@ -127,7 +132,12 @@ def _chunk(h: Array, w: Array, labels: Array, valid: Array, start: Array, opts: 
     return z, lse, loss, ce, correct & valid, mine, index
 
 
-def _grad_logits(z, lse, valid, mine, index, opts: _Options) -> Array:
+def _real_ids(vocab_local: int, start: Array, opts: _Options) -> Array:
+    """`bool[1, V/n]`: which of this device's vocabulary rows are real ids (not padding)."""
+    return (start + jnp.arange(vocab_local, dtype=jnp.int32))[None, :] < opts.real
+
+
+def _grad_logits(z, lse, valid, mine, index, start, opts: _Options) -> Array:
     """The gradient of a chunk's summed loss with respect to its raw logits, `f32[C, V/n]`.
 
     The softmax is `exp(z - lse)`, made here in the same pass as the gradient: one
@@ -136,13 +146,16 @@ def _grad_logits(z, lse, valid, mine, index, opts: _Options) -> Array:
     scale = 1.0 + 2.0 * opts.z_loss * lse if opts.z_loss else jnp.ones_like(lse)
     g = jnp.exp(z - lse[:, None]) * scale[:, None]
     if opts.smoothing:
-        g = g - opts.smoothing / opts.vocab
+        g = g - opts.smoothing / opts.real
     onehot = jnp.arange(z.shape[-1], dtype=jnp.int32)[None, :] == index
     g = g - jnp.where(onehot & mine[:, None], 1.0 - opts.smoothing, 0.0)
     if opts.softcap is not None:
         # d/dx c tanh(x / c) = 1 - tanh² = 1 - (z / c)²
         g = g * (1.0 - (z / opts.softcap) ** 2)
-    return jnp.where(valid[:, None], g, 0.0)
+    keep = valid[:, None]
+    if opts.real < opts.vocab:
+        keep = keep & _real_ids(z.shape[-1], start, opts)  # the padding ids: no gradient
+    return jnp.where(keep, g, 0.0)
 
 
 def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads: bool) -> Any:
@@ -155,12 +168,12 @@ def _scan(h: Array, w: Array, labels: Array, valid: Array, opts: _Options, grads
         # A label outside the (global) vocabulary, unless ignored, makes the loss and its
         # gradients NaN: such a batch is never trained on (the step skips it), never
         # scored as if its target logit were 0. Labels are global ids: no collective.
-        outside = valid_c & ((labels_c < 0) | (labels_c >= opts.vocab))  # bool[C]
+        outside = valid_c & ((labels_c < 0) | (labels_c >= opts.real))  # bool[C]
         loss, ce = (jnp.where(outside, jnp.nan, x) for x in (loss, ce))
         sums = (jnp.sum(loss), jnp.sum(ce), jnp.sum(correct.astype(jnp.int32)))
         if not grads:
             return dw, (sums, None)
-        g = _grad_logits(z, lse, valid_c, mine, index, opts)
+        g = _grad_logits(z, lse, valid_c, mine, index, start, opts)
         g = jnp.where(outside[:, None], jnp.nan, g).astype(w.dtype)
         # bf16[C, V/n] @ bf16[V/n, D] -> [C, D]: this device's part of the input's gradient
         dh = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(h.dtype)
@@ -204,7 +217,7 @@ def _fused_fwd(h: Array, w: Array, labels: Array, opts: _Options):
     return (loss, ce, correct), (dh, dw)
 
 
-def _fused_bwd(opts: _Options, res: tuple[Array, Array], ct: tuple[Array, Array, Array]):
+def _fused_bwd(opts: _Options, res: tuple[Array, Array], ct: tuple[Array, Array, Any]):  # ct[2]: float0 (an int output)
     dh, dw = res
     g = ct[0]
     return (g * dh).astype(dh.dtype), (g * dw).astype(opts.weight_dtype), None
@@ -224,6 +237,7 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    vocab_size: int | None = None,
 ) -> CrossEntropySums:
     """The cross-entropy of the logits `hidden @ weight.T`, chunk by chunk over the tokens.
 
@@ -257,6 +271,10 @@ def fused_linear_cross_entropy(
     - `label_smoothing`: `ε`: the target is `(1 − ε)` on the label and `ε / V` on every
       entry (optax's and PyTorch's smoothing).
     - `softcap`: cap the logits as `softcap · tanh(logits / softcap)` (Gemma 2's) first.
+    - `vocab_size`: the real vocabulary, when the weight's rows are padded beyond it (to
+      divide the axis): the ids from `vocab_size` on count for nothing (not in the
+      log-sum-exp, the argmax or the smoothing; no gradient), and a label among them is
+      out of range. Default: every row is an id.
 
     **Returns:**
 
@@ -271,11 +289,17 @@ def fused_linear_cross_entropy(
     check_loss_options(labels, chunk_size, ignore_index, z_loss, label_smoothing, softcap)
     axes = axis_tuple(axis_name) if axis_name is not None and is_bound(axis_name) else ()
     n = combined_axis_size(axes) if axes else 1
+    vocab = weight.shape[0] * n
+    if vocab_size is not None and not (isinstance(vocab_size, (int, np.integer)) and 0 < vocab_size <= vocab):
+        raise LayerConfigError(
+            f"fused_linear_cross_entropy: vocab_size={vocab_size!r} must be a number of ids from 1 to "
+            f"the weight's {vocab} rows."
+        )
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
     # No chunk larger than the tokens (nor padded beyond them).
     chunk = max(min(chunk_size or default_chunk_size(weight.shape[0]), h.shape[0]), 1)
     opts = _Options(
-        axes, chunk, weight.shape[0] * n,
+        axes, chunk, vocab, vocab if vocab_size is None else int(vocab_size),
         ignore_index, float(z_loss), float(label_smoothing), softcap, jnp.dtype(weight.dtype),
     )  # fmt: skip
     # Everything varies alike inside the rule: the casts' transposes sum the gradients

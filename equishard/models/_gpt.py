@@ -21,12 +21,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
 from .._names import ALLTOALL, RING, differentiated_scan
-from ..core import from_last_stage, gather_tokens, zigzag_indices
+from ..core import from_last_stage, gather_tokens, pipeline_layer_order, zigzag_indices
 from ..nn import (
     FSDP,
     ColumnParallelLinear,
@@ -115,8 +116,8 @@ class GPTConfig:
       high_freq_factor, original_max_position_embeddings)`, or `None`.
     - `real_vocab_size`: with a vocabulary padded to divide the tensor axis, the number
       of real ids (`None`: all `vocab_size`): the logits of the padding ids are the
-      lowest finite value, so they are never sampled. (The training loss still sums
-      over every id: their zero rows add a constant to its partition function.)
+      lowest finite value, so they are never sampled, and the loss leaves them out
+      (the cross-entropy of the real ids alone; the padding rows get no gradient).
     - `loss_chunk_size`: tokens per chunk of the fused loss (`None`: at most 2²⁷ logits
       per chunk, a power of two of tokens, `equishard.core.CHUNK_ELEMENTS`: 2048 tokens
       at a vocabulary of 50304).
@@ -581,15 +582,7 @@ class GPT(eqx.Module, GathersFSDP):
     def _masked(self, logits: Array) -> Array:
         """`logits` `[B, T, V/tp]` with the padding ids' (`GPTConfig.real_vocab_size`) set
         to the lowest finite value."""
-        real = self.config.real_vocab_size
-        if real is None or real >= self.config.vocab_size:
-            return logits
-        local = logits.shape[-1]
-        ids = jnp.arange(local)
-        tp = tensor_axis(self.parallelism)
-        if is_bound(tp):
-            ids = ids + jax.lax.axis_index(tp) * local
-        return jnp.where(ids < real, logits, jnp.finfo(logits.dtype).min)
+        return _mask_padding_ids(self.config, self.parallelism, logits)
 
     def _cross_entropy(self, h: Array, labels: Array) -> Float[Array, ""]:
         """The mean cross-entropy of the local tokens from the blocks' output `h`."""
@@ -791,6 +784,20 @@ def _mean_cross_entropy(
     return _cross_entropy_sums(config, par, h, head, table, labels, None)[0] / labels.size
 
 
+def _mask_padding_ids(config: GPTConfig, par: Parallelism, logits: Array) -> Array:
+    """`logits` `[..., V/tp]` with the padding ids' (`GPTConfig.real_vocab_size`) set to
+    the lowest finite value: no weight in a softmax, never an argmax."""
+    real = config.real_vocab_size
+    if real is None or real >= config.vocab_size:
+        return logits
+    local = logits.shape[-1]
+    ids = jnp.arange(local)
+    tp = tensor_axis(par)
+    if is_bound(tp):
+        ids = ids + jax.lax.axis_index(tp) * local
+    return jnp.where(ids < real, logits, jnp.finfo(logits.dtype).min)
+
+
 def _cross_entropy_sums(
     config: GPTConfig, par: Parallelism, h: Array, head: ColumnParallelLinear | None,
     table: Any, labels: Array, ignore_index: int | None,
@@ -803,8 +810,9 @@ def _cross_entropy_sums(
             h = gather_tokens(h, tp)  # f32[B, T/tp, D] -> f32[B, T, D]
         weight = head.weight if head is not None else table
         sums = fused_cross_entropy(
-            h, weight, labels, tp, chunk_size=config.loss_chunk_size, ignore_index=ignore_index
-        )
+            h, weight, labels, tp, chunk_size=config.loss_chunk_size, ignore_index=ignore_index,
+            vocab_size=config.real_vocab_size,
+        )  # the padding ids of a padded vocabulary count for nothing
         return sums.loss, sums.tokens
     if head is not None:
         logits = head(h)
@@ -813,6 +821,7 @@ def _cross_entropy_sums(
             h = gather_tokens(h, tp)
         # f32[B, T, D] @ f32[D, V/tp]
         logits = matmul_t(h, jnp.asarray(table.value))
+    logits = _mask_padding_ids(config, par, logits)
     ce = vocab_parallel_cross_entropy(logits.astype(jnp.float32), labels, tp, ignore_index=ignore_index)
     count = labels.size if ignore_index is None else jnp.sum(labels != ignore_index)
     return jnp.sum(ce), jnp.asarray(count, jnp.int32)
@@ -913,24 +922,42 @@ def canonical_path(path: str) -> str:
 
     The same parameter is `model.units.module.blocks[0]...` under FSDP (the `FSDP`
     wrapper), `model.units.layers.unit.blocks[0]...` in a pipeline and
-    `model.units.blocks[0]...` otherwise; checkpoints store it under the last, so that
-    a run saved under one layout restores under another.
+    `model.units.blocks[0]...` otherwise (a pipeline of FSDP units nests both:
+    `model.units.layers.unit.module.blocks[0]...`); checkpoints store it under the last,
+    so that a run saved under one layout restores under another.
     """
-    return path.replace(".units.module.", ".units.").replace(".units.layers.unit.", ".units.")
+    # The pipeline's level first: what it leaves of a pipeline of FSDP units is `.units.module.`.
+    return path.replace(".units.layers.unit.", ".units.").replace(".units.module.", ".units.")
 
 
 def _canonical_units(model: GPT) -> Any:
-    """The model's units as one unboxed stack `[num_units, ...]` in model order."""
+    """The model's units as one unboxed stack `[num_units, ...]` in model order.
+
+    A pipeline's stack is its own arrays (stored stage by stage: model order unless the
+    pipeline is circular, whose layers are then reordered, each device keeping its
+    share): no copy of every layer on every stage, as stacking the layers one by one
+    would make.
+    """
     units = model.units
-    if isinstance(units, PipelineModule):
-        layers = [layer.unit for layer in units.unstack()]
-    else:
-        layers = None
     unwrap = lambda u: es_unbox(u.module if isinstance(u, FSDP) else u)  # noqa: E731
-    if layers is None:
+    if not isinstance(units, PipelineModule):
         return unwrap(units)
-    plain = [unwrap(layer) for layer in layers]
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *plain)
+    stacked = unwrap(es_unbox(units.layers).unit)  # [L, ...] in stored order
+    order = pipeline_layer_order(units.num_layers, units.num_stages, units.repeats)
+    position = {layer: p for p, layer in enumerate(order)}
+    take = np.asarray([position[layer] for layer in range(units.num_layers)])
+    if np.array_equal(take, np.arange(units.num_layers)):
+        return stacked
+
+    def reorder(a: Any) -> Any:
+        if not eqx.is_array(a):
+            return a
+        if isinstance(a, jax.Array) and not isinstance(a, jax_core.Tracer):
+            # Each device keeps its share of the stack (eager indexing would replicate it).
+            return jax.jit(lambda x: x[take], out_shardings=a.sharding)(a)
+        return a[take]
+
+    return jax.tree.map(reorder, stacked)
 
 
 def to_single_device(model: GPT) -> GPT:

@@ -218,9 +218,7 @@ def hf_mapping(model: Any, hf: Mapping[str, Any]) -> dict[str, Any]:
     roles = _per_layer()
     out: dict[str, Any] = {}
     for path in array_paths(model):
-        # Twice: a pipeline of FSDP units is `.units.layers.unit.module.` (one pass
-        # leaves `.units.module.`).
-        canon = canonical_path(canonical_path(path))
+        canon = canonical_path(path)
         if canon == ".embed.weight":
             out[path] = vocab_rows("model.embed_tokens.weight")
         elif canon == ".head.weight":

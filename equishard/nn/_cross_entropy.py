@@ -89,6 +89,7 @@ def fused_cross_entropy(
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    vocab_size: int | None = None,
 ) -> CrossEntropySums:
     """The loss of a language model's head, from its hidden states, in chunks of tokens.
 
@@ -116,7 +117,8 @@ def fused_cross_entropy(
     - `mesh`: the mesh, for the global view only.
     - `batch_axes`: the global view's axes `hidden`'s first dimension is split over
       (default: every mesh axis but `axis_name`).
-    - `chunk_size`, `ignore_index`, `z_loss`, `label_smoothing`, `softcap`: see
+    - `chunk_size`, `ignore_index`, `z_loss`, `label_smoothing`, `softcap`,
+      `vocab_size` (a padded vocabulary's real size): see
       `equishard.core.fused_linear_cross_entropy`.
 
     **Returns:**
@@ -131,7 +133,7 @@ def fused_cross_entropy(
         w = jnp.reshape(w, (-1, w.shape[-1]))  # [V/n, D]
         return fused_linear_cross_entropy(
             hidden, w, labels, axis_name, chunk_size=chunk_size, ignore_index=ignore_index,
-            z_loss=z_loss, label_smoothing=label_smoothing, softcap=softcap,
+            z_loss=z_loss, label_smoothing=label_smoothing, softcap=softcap, vocab_size=vocab_size,
         )  # fmt: skip
 
     if mesh is None:

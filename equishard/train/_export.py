@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PyTree
 
 from .._errors import CheckpointError
@@ -27,10 +30,13 @@ def _eqx_path(path: str | os.PathLike[str]) -> pathlib.Path:
 def export_model(model: PyTree, path: str | os.PathLike[str], *, state: PyTree = None) -> pathlib.Path:
     """Write a model as a plain single-device Equinox model file.
 
-    Every array is gathered whole onto one device and every `Sharded` box replaced by
-    its array (`unbox`), then the leaves are written with `eqx.tree_serialise_leaves`.
-    The file is written under a temporary name and renamed, so a reader never sees a
-    partial file. Read it back with `import_model`, or with plain
+    Every `Sharded` box is replaced by its array (`unbox`) and the leaves are written
+    with `eqx.tree_serialise_leaves`, one array at a time: each is assembled on the host
+    from its blocks (`host_array`), written, and freed before the next. No device holds
+    more than it did (a model too large for one device is written too); the host holds
+    one array and the write buffer. The file has the bytes a gathered model's
+    `eqx.tree_serialise_leaves` writes. It is written under a temporary name and
+    renamed, so a reader never sees a partial file. Read it back with `import_model`, or with plain
     `eqx.tree_deserialise_leaves(path, like)` where `like` is the model built without
     equishard's boxes. In a multi-process run every process calls it and process 0
     writes.
@@ -49,17 +55,53 @@ def export_model(model: PyTree, path: str | os.PathLike[str], *, state: PyTree =
     The path written.
     """
     path = _eqx_path(path)
-    plain = unbox(gather(model if state is None else (model, state)))
-    if jax.process_index() == 0:
+    plain = unbox(model if state is None else (model, state))
+    writer = jax.process_index() == 0
+
+    def write(f: Any, x: Any) -> None:
+        if isinstance(x, jax.Array) and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            host = host_array(x)  # every process takes part when other processes hold blocks
+            if writer:
+                jnp.save(f, host)  # as `eqx.default_serialise_filter_spec` saves the array
+            del host
+        elif isinstance(x, jax.Array):  # a key array: small, gathered as it is
+            x = gather(x)
+            if writer:
+                eqx.default_serialise_filter_spec(f, x)
+        elif writer:
+            eqx.default_serialise_filter_spec(f, x)
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                eqx.tree_serialise_leaves(f, plain)
+    try:
+        with open(tmp, "wb") if writer else open(os.devnull, "wb") as f:
+            eqx.tree_serialise_leaves(f, plain, filter_spec=write)
+        if writer:
             os.replace(tmp, path)
-        finally:
+    finally:
+        if writer:
             tmp.unlink(missing_ok=True)
     return path
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """The global array `x` on the host: its blocks copied out one at a time (a block
+    several devices hold once), or, when other processes hold some of them, gathered
+    from all processes (`process_allgather`: the array whole on each device for the
+    moment)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    out = np.empty(x.shape, x.dtype)
+    seen = set()
+    for shard in x.addressable_shards:
+        key = tuple((s.start, s.stop) for s in shard.index)
+        if key not in seen:
+            seen.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def import_model(path: str | os.PathLike[str], like: PyTree) -> PyTree:

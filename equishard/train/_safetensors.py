@@ -8,12 +8,26 @@ and columns of that block) and placed on its device at once. Everything is check
 data is read: the files and the index, every source's shape against its array's, and
 which checkpoint tensors and model arrays the map leaves out (named, with shapes).
 
-`safetensors` (the `train` extra) is imported when a checkpoint is first opened.
+What a process reads is its share of the files and no more, counted in the kernel's pages:
+- Blocks of long contiguous runs are read with positional reads (`os.preadv` into the
+  block's buffer, the file's readahead off): the kernel fetches their pages and no others.
+  `safetensors` offers no such read: its `safe_open` reads through a memory map, whose
+  faults make the kernel read ahead beyond the block.
+- Where processes split an array across short runs (fsdp's columns of a row-major
+  tensor: half of every 4 KiB row to each process), they would share every page. Such an
+  array is read in a split along the dimension that varies slowest in the files (each
+  process a contiguous share of the same size) and its blocks then move between the
+  devices to the layout's sharding (`_read_sharding`).
+- The files' headers are parsed and validated here as `safetensors` validates them
+  (`_file_tensors` says why it does not open them).
+
+`safetensors` (the `train` extra) is imported when the first block is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -38,6 +52,10 @@ _DTYPES: dict[str, Any] = {
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 Index = tuple[slice, ...]
+# A contiguous run of the files shorter than this, when processes split an array across
+# it, shares pages with another process's runs: such arrays are read in a file-contiguous
+# split and moved to their layout on the devices (`_read_sharding`).
+RUN_BYTES = 256 * 2**10
 
 
 # ----------------------------------------------------------------------------- sources
@@ -190,6 +208,85 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _file_order(source: Source, ndim: int) -> list[int]:
+    """The dimensions of the array `source` fills, the one that varies slowest in the
+    files first (a stack's axis, then each part's in its tensor's order)."""
+    if isinstance(source, Tensor):
+        return list(range(ndim))
+    if isinstance(source, Stacked):
+        return [0, *(d + 1 for d in _file_order(source.parts[0], ndim - 1))]
+    if isinstance(source, Transposed):
+        return [1 - d for d in _file_order(source.source, 2)]
+    return _file_order(source.source, ndim)
+
+
+def _min_run(source: Source, index: Index, tensors: Mapping[str, TensorInfo]) -> float:
+    """The shortest contiguous run of file bytes that reading the block `index` of
+    `source` takes (`inf` if it reads nothing)."""
+    if isinstance(source, Tensor):
+        info = tensors[source.name]
+        return _run_elements(info.shape, index)[1] * np.dtype(_DTYPES[info.dtype]).itemsize
+    if isinstance(source, Stacked):
+        picked = range(len(source.parts))[index[0]]
+        return min((_min_run(source.parts[i], index[1:], tensors) for i in picked), default=np.inf)
+    if isinstance(source, Transposed):
+        return _min_run(source.source, index[::-1], tensors)
+    axis = source.axis % len(index)
+    inner = source_shape(source.source, {n: t.shape for n, t in tensors.items()}, "")
+    if isinstance(source, Padded):
+        stop = min(index[axis].stop, inner[axis])
+        sub = [*index[:axis], slice(index[axis].start, stop), *index[axis + 1 :]]
+        return _min_run(source.source, tuple(sub), tensors) if stop > index[axis].start else np.inf
+    runs = _runs(source.order[index[axis]])
+    subs = [(*index[:axis], slice(a, b), *index[axis + 1 :]) for a, b in runs]
+    return min((_min_run(source.source, sub, tensors) for sub in subs), default=np.inf)
+
+
+def _blocks(sharding: NamedSharding, shape: tuple[int, ...], addressable: bool) -> dict[Any, Index]:
+    """Each device's block of an array of `shape` under `sharding` as concrete slices
+    (this process's devices only if `addressable`)."""
+    where = sharding.addressable_devices_indices_map(shape) if addressable else sharding.devices_indices_map(shape)
+    full = tuple(slice(None) for _ in shape)
+    return {d: tuple(slice(*s.indices(n)) for s, n in zip(i or full, shape)) for d, i in where.items()}
+
+
+def _read_sharding(
+    source: Source, sharding: NamedSharding, shape: tuple[int, ...], tensors: Mapping[str, TensorInfo]
+) -> NamedSharding | None:
+    """The sharding in which to read an array that several processes share, when its
+    layout's blocks cut the files into runs shorter than `RUN_BYTES`; `None` to read the
+    layout's blocks themselves.
+
+    Several processes holding columns of a row-major tensor each need a part of the same
+    4 KiB pages: each process's kernel then reads whole pages, and with its own page
+    cache (one host each) reads the rows entire. The array is then read split along the
+    dimension that varies slowest in the files, over the mesh's axes (the longest
+    leading run of them that divides it; the leading axes are the ones split over
+    processes), so that each process reads contiguous runs of its share of the bytes,
+    and the devices exchange the blocks afterwards.
+    """
+    mesh = sharding.mesh
+    if jax.process_count() == 1 or not shape:
+        return None
+
+    def shortest(split: NamedSharding) -> float:  # over the distinct blocks
+        distinct = {tuple((s.start, s.stop) for s in i): i for i in _blocks(split, shape, False).values()}
+        return min(_min_run(source, i, tensors) for i in distinct.values())
+
+    layout_run = shortest(sharding)
+    if layout_run >= RUN_BYTES:
+        return None
+    names = list(mesh.axis_names)
+    for dim in _file_order(source, len(shape)):
+        for k in range(len(names), 0, -1):
+            size = int(np.prod([mesh.shape[n] for n in names[:k]]))
+            if size > 1 and shape[dim] % size == 0:
+                spec = P(*(tuple(names[:k]) if d == dim else None for d in range(len(shape))))
+                split = NamedSharding(mesh, spec)
+                return split if shortest(split) > layout_run else None
+    return None
+
+
 # -------------------------------------------------------------------------- the files
 
 
@@ -205,33 +302,68 @@ class TensorInfo:
 
 
 def _header(path: str) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset of its data."""
+    """The JSON header of a safetensors file and the offset of its data.
+
+    Read as the blocks are, readahead off: a buffered read would leave the kernel's
+    readahead mark on the pages after the header, and a block read through them later
+    would make it read tens of MiB ahead (measured: 33 MiB on a 16 MiB read).
+    """
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            size = int.from_bytes(os.pread(fd, 8, 0), "little")
+            if size > 100_000_000:  # safetensors' own limit
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(os.pread(fd, size, 8))
+        finally:
+            os.close(fd)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
         raise CheckpointError(f"safetensors file {path}: unreadable header ({err}).") from None
     return header, 8 + size
 
 
 def _file_tensors(path: str) -> dict[str, TensorInfo]:
-    """The tensors of one file, validated by `safetensors` (header, offsets, file size)."""
-    from safetensors import safe_open
+    """The tensors of one file, validated as `safetensors` validates a file it opens:
+    known dtypes, each tensor's byte range of its shape's size, the ranges tiling the
+    data with no hole or overlap, and the file as long as its header says.
 
+    Written here rather than by opening the file with `safe_open`: that maps the file,
+    and the first read of the header through the mapping makes the kernel read ahead
+    the next 8 MiB of the file (measured: 40 MiB for the 5 files of the benchmark's
+    checkpoint, in every process) — bytes of tensor blocks other processes hold, which
+    would break each process's bound on the bytes it reads.
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"safetensors file {path} does not exist.")
-    try:
-        with safe_open(path, framework="numpy"):
-            pass
-    except Exception as err:  # safetensors raises its own SafetensorError
-        raise CheckpointError(f"safetensors file {path} is incomplete or corrupt: {err}") from None
     header, start = _header(path)
-    return {
-        name: TensorInfo(path, tuple(h["shape"]), h["dtype"], start + h["data_offsets"][0])
-        for name, h in header.items()
-        if name != "__metadata__"
-    }
+    out, ranges = {}, []
+    try:
+        for name, h in header.items():
+            if name == "__metadata__":
+                continue
+            shape, (begin, end) = tuple(int(d) for d in h["shape"]), (int(o) for o in h["data_offsets"])
+            if h["dtype"] not in _DTYPES:
+                raise ValueError(f"tensor {name} has the dtype {h['dtype']}, which is not read here")
+            if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[h["dtype"]]).itemsize:
+                raise ValueError(f"tensor {name}: {end - begin} bytes for shape {shape} of {h['dtype']}")
+            out[name] = TensorInfo(path, shape, h["dtype"], start + begin)
+            ranges.append((begin, end, name))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"safetensors file {path} is incomplete or corrupt: {err}") from None
+    at = 0
+    for begin, end, name in sorted(ranges):
+        if begin != at:
+            raise CheckpointError(f"safetensors file {path} is incomplete or corrupt: tensor {name} starts at {begin}, not {at}.")
+        at = end
+    if os.path.getsize(path) != start + at:
+        raise CheckpointError(
+            f"safetensors file {path} is incomplete or corrupt: {os.path.getsize(path)} bytes, its header "
+            f"describes {start + at}."
+        )
+    return out
 
 
 def checkpoint_tensors(folder: str, *, single: str = SINGLE) -> dict[str, TensorInfo]:
@@ -270,21 +402,67 @@ def checkpoint_tensors(folder: str, *, single: str = SINGLE) -> dict[str, Tensor
     return out
 
 
+def _run_elements(shape: Sequence[int], index: Index) -> tuple[int, int]:
+    """How the C-ordered block `index` (concrete slices) of a tensor of `shape` lies in
+    its bytes: `(outer, elements per run)`, one contiguous run for each index of the
+    block's first `outer` dimensions."""
+    j = len(shape)
+    while j > 0 and (index[j - 1].start, index[j - 1].stop) == (0, shape[j - 1]):
+        j -= 1
+    if j == 0:
+        return 0, int(np.prod(shape, dtype=np.int64))
+    return j - 1, (index[j - 1].stop - index[j - 1].start) * int(np.prod(shape[j:], dtype=np.int64))
+
+
+def _pread_block(info: TensorInfo, index: Index) -> np.ndarray:
+    """The block `index` of the tensor `info`, read run by run with `os.preadv` into the
+    result's buffer, the file's readahead off (`POSIX_FADV_RANDOM`): the kernel fetches
+    the pages of the block's bytes and no others."""
+    dtype = np.dtype(_DTYPES[info.dtype])
+    out = np.empty([s.stop - s.start for s in index], dtype)
+    if out.size == 0:
+        return out
+    outer, run = _run_elements(info.shape, index)
+    # Elements per step of each dimension of the tensor (C order).
+    strides = [int(np.prod(info.shape[d + 1 :], dtype=np.int64)) for d in range(len(info.shape))]
+    starts = [s.start for s in index]
+    flat, step = out.reshape(-1).view(np.uint8), run * dtype.itemsize
+    fd = os.open(info.file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for i, at in enumerate(itertools.product(*(range(s.start, s.stop) for s in index[:outer]))):
+            first = sum(a * st for a, st in zip((*at, *starts[outer:]), strides))
+            where, done = info.offset + first * dtype.itemsize, 0
+            while done < step:
+                got = os.preadv(fd, [flat.data[i * step + done : (i + 1) * step]], where + done)
+                if got <= 0:
+                    raise CheckpointError(f"safetensors file {info.file} is truncated (byte {where + done}).")
+                done += got
+    finally:
+        os.close(fd)
+    return out
+
+
 def _reader(infos: Mapping[str, TensorInfo]) -> Callable[[str, Index], np.ndarray]:
     """A function reading the block `index` of a tensor from its file.
 
-    Through `safe_open(...).get_slice` (only the block's rows and columns are read);
+    A block made of runs of at least `RUN_BYTES` (or of one run) is read with positional
+    reads (`_pread_block`): exactly its bytes, with no readahead. A block of many short
+    runs (columns of a row-major tensor) through `safe_open(...).get_slice`, or for
     bfloat16, which NumPy's backend of safetensors cannot return, through a read-only
-    memory map of the tensor's bytes, sliced the same way. Each read maps the file anew
-    and unmaps it once the block is copied out: a block split over columns touches every
-    page of its tensor, and those pages then leave the process's resident memory at once
-    instead of piling up beside the model (one tensor's at most; measured in
+    memory map of the tensor's bytes, sliced the same way. Each such read maps the file
+    anew and unmaps it once the block is copied out: a block split over columns touches
+    every page of its tensor, and those pages then leave the process's resident memory
+    at once instead of piling up beside the model (one tensor's at most; measured in
     `benchmarks/RESULTS.md`).
     """
     from safetensors import safe_open
 
     def read(name: str, index: Index) -> np.ndarray:
         info = infos[name]
+        outer, run = _run_elements(info.shape, index)
+        if outer == 0 or run * np.dtype(_DTYPES[info.dtype]).itemsize >= RUN_BYTES:
+            return _pread_block(info, index)
         if info.dtype == "BF16":
             whole = np.memmap(info.file, dtype=ml_dtypes.bfloat16, mode="r", offset=info.offset, shape=info.shape)
             block = np.array(whole[index])
@@ -390,7 +568,9 @@ def load_safetensors(
     **Returns:**
 
     `skeleton` with every array a `jax.Array` on `mesh`. Each process reads only the
-    blocks of its own devices.
+    blocks of its own devices, or, for an array whose blocks would have the processes
+    read the same pages of the files, a contiguous share of the array's bytes of the same
+    size, the devices exchanging the blocks afterwards.
 
     **Raises:**
 
@@ -406,26 +586,27 @@ def load_safetensors(
     def fill(path: str, value: Any, spec: P) -> jax.Array:
         shape, dtype = tuple(value.shape), np.dtype(value.dtype)
         read = _reader(tensors)
-
         sharding = NamedSharding(mesh, spec)
+        split = _read_sharding(mapping[path], sharding, shape, tensors)
         # As `jax.make_array_from_callback`, but each block is placed on its device as
         # soon as it is read (that function reads every block first): the host holds
         # one block at a time, not a whole array beside the model. A block several
         # devices share is read once.
         placed: dict[Any, list[jax.Array]] = {}
         blocks = []
-        for device, index in sharding.addressable_devices_indices_map(shape).items():
-            full = tuple(slice(None) for _ in shape) if index is None else index
-            concrete = tuple(slice(*s.indices(d)) for s, d in zip(full, shape))
-            key = tuple((s.start, s.stop) for s in concrete)
+        for device, index in _blocks(split or sharding, shape, True).items():
+            key = tuple((s.start, s.stop) for s in index)
             if key not in placed:
-                data = _read(mapping[path], concrete, read, shapes).astype(dtype, copy=False)
+                data = _read(mapping[path], index, read, shapes).astype(dtype, copy=False)
                 placed[key] = [jax.device_put(data, device)]
                 del data
             else:
                 placed[key].append(jax.device_put(placed[key][0], device))
             blocks.append(placed[key][-1])
-        return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
+        array = jax.make_array_from_single_device_arrays(shape, split or sharding, blocks)
+        # Read in a file-contiguous split: the devices exchange the blocks (one array's
+        # worth of device memory beside it, freed at once).
+        return array if split is None else jax.device_put(array, sharding)
 
     filled = {path: fill(path, v, spec) for path, (v, spec) in arrays.items()}
 
