@@ -39,6 +39,7 @@ from ._hf import (
 )
 from ._lora import (
     add_lora as add_lora,
+    adapters_trainable as adapters_trainable,
     export_peft as export_peft,
     load_peft as load_peft,
     lora_of as lora_of,

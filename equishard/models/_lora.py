@@ -36,6 +36,7 @@ from ..train import (
     OutTensor,
     Stacked,
     Tensor,
+    Trainable,
     array_paths,
     load_safetensors,
     source_tensors,
@@ -146,6 +147,25 @@ def add_lora(model: GPT, lora: LoRA, *, key: PRNGKeyArray) -> GPT:
     mesh = _mesh_of(model)
     fresh = sharded_init(make, key, mesh=mesh) if mesh is not None else eqx.filter_jit(make)(key)
     return _remarked(eqx.tree_at(_lora_fields, model, fresh, is_leaf=lambda x: x is None), adding=True)
+
+
+ADAPTER_PATHS = r"\.lora\['"
+"""What the paths of a GPT's adapter arrays hold (`units.blocks[0].attn.lora['q'].a`)."""
+
+
+def adapters_trainable(freeze: str | None = None) -> Trainable:
+    """The train step's filter for a GPT with adapters, before the model exists: the
+    adapters' arrays are trained (`lora_trainable` marks the same arrays of a model).
+
+    **Arguments:**
+
+    - `freeze`: a regular expression of paths frozen too (`None`: none).
+
+    **Returns:**
+
+    A `Trainable` (`make_train_step(..., trainable=)`), printable and comparable.
+    """
+    return Trainable.matching(train=ADAPTER_PATHS, freeze=freeze)
 
 
 def lora_trainable(model: GPT) -> PyTree[bool]:

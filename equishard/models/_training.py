@@ -24,18 +24,21 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray
 
 from .._errors import LayerConfigError, MeshError
+from ..nn import LoRA
 from ..report._internal import abstract_state, lower_from_shapes
 from ..sharding import Layout, Parallelism
 from ..sharding._internal import resolve_layout
 from ..train import (
     MixedPrecision,
     Precision,
+    Trainable,
     TrainState,
     TrainStep,
     ZeRO1,
     make_train_step,
 )
 from ._gpt import GPT, PRESETS, GPTConfig, cast_floating, check_context_split
+from ._lora import adapters_trainable
 
 __all__ = [
     "AbstractStep",
@@ -108,6 +111,8 @@ def gpt_training(
     clip_norm: float | None = None,
     precision: Precision | None = None,
     param_dtype: Any = jnp.float32,
+    lora: LoRA | None = None,
+    trainable: Trainable | Callable[[str, Any], bool] | None = None,
 ) -> GPTTraining:
     """Wire the reference GPT to `make_train_step` under a resolved layout.
 
@@ -124,15 +129,22 @@ def gpt_training(
       makes one from dtypes).
     - `param_dtype`: the dtype the parameters (and so the optimizer's moments) are stored
       in.
+    - `lora`: LoRA adapters on the blocks' projections (`None`: none): the model is
+      made with them (`B` zero: it computes what its base does) and, unless `trainable`
+      says otherwise, only they are trained (`adapters_trainable()`).
+    - `trainable`: the step's trainable filter (see `make_train_step`; `None`: every
+      floating array, or the adapters with `lora`).
 
     **Returns:**
 
     A `GPTTraining`.
     """
     par = layout
+    if lora is not None and trainable is None:
+        trainable = adapters_trainable()
 
     def make_model(key: PRNGKeyArray) -> GPT:
-        return cast_floating(GPT(config, par, key=key), param_dtype)
+        return cast_floating(GPT(config, par, key=key, lora=lora), param_dtype)
 
     def gpt_loss(model: GPT, batch: Any, key: Any) -> Any:
         return model.loss(batch, key)
@@ -140,7 +152,7 @@ def gpt_training(
     opt_sharding = ZeRO1(layout.zero, min_weight_size=par.fsdp_min_weight_size) if layout.zero else None
     step = make_train_step(
         gpt_loss, optimizer, mesh=mesh, batch_spec=layout.batch_spec, grad_accum=grad_accum,
-        clip_norm=clip_norm, opt_sharding=opt_sharding, precision=precision,
+        clip_norm=clip_norm, opt_sharding=opt_sharding, precision=precision, trainable=trainable,
     )  # fmt: skip
 
     def loss_fn(model: GPT, batch: Any, key: Any) -> Any:
