@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from ._cli_base import HelpFormatter, use_cpu_devices
+from ._errors import LayerConfigError
 
 
 def _tokenize(args: argparse.Namespace) -> int:
@@ -126,8 +127,18 @@ def _export(args: argparse.Namespace) -> int:
     from ._app._internal import DTYPES, export_run
 
     dtype = None if c.dtype is None else DTYPES[c.dtype]
-    to = export_run(c.run_dir, c.to, step=c.step, dtype=dtype, max_shard_bytes=int(c.max_shard_gib * 2**30))
-    print(f"exported {c.run_dir} to {to} (a Hugging Face folder: LlamaForCausalLM)")
+    if c.merged and c.adapters:
+        raise LayerConfigError("export: --merged and --adapters exclude each other; give one.")
+    what = "merged" if c.merged else "adapters" if c.adapters else None
+    to, wrote = export_run(
+        c.run_dir, c.to, step=c.step, dtype=dtype, max_shard_bytes=int(c.max_shard_gib * 2**30), what=what
+    )  # fmt: skip
+    described = {
+        "adapters": "the LoRA adapters, a PEFT folder: adapter_config.json, adapter_model.safetensors",
+        "merged": "the model with its LoRA adapters merged, a Hugging Face folder",
+        "model": "a Hugging Face folder",
+    }
+    print(f"exported {c.run_dir} to {to} ({described[wrote]})")
     return 0
 
 

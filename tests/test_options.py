@@ -78,7 +78,9 @@ def _other_value(field: dataclasses.Field, choices) -> Any:
         return default + 3
     if isinstance(default, float):
         return default / 2
-    if field.name == "clip_norm" or field.name == "microbatches" or field.name == "resume_step":
+    if field.name == "lora_alpha":
+        return 4.0
+    if field.name in ("clip_norm", "microbatches", "resume_step", "lora_rank"):
         return 4
     return f"some/{field.name}"
 
@@ -163,7 +165,9 @@ def test_a_run_directory_written_before_the_sections_is_read_as_before():
     new = load_config_text(config_toml(TrainConfig(**OLD_VALUES)))
     assert {k: new[k] for k in saved} == saved
     # Options added since: at their defaults, which an old run had.
-    assert {k: v for k, v in new.items() if k not in saved} == {"axis_roles": "", "document_masking": True}
+    assert {k: v for k, v in new.items() if k not in saved} == {
+        "axis_roles": "", "document_masking": True, "lora_dropout": 0.0, "lora_targets": "q,v",
+    }  # fmt: skip
 
 
 def test_resume_classes_decide_what_a_resume_reports():
@@ -173,6 +177,21 @@ def test_resume_classes_decide_what_a_resume_reports():
     assert lines[1].startswith("warning: --weight-decay is 0.0")
     assert lines[2] == "the layout changed (layout 'dp=2,fsdp=2,tp=2' -> layout 'fsdp=8'): the checkpoint is resharded to it."
     assert len(lines) == 3
+
+
+def test_a_resume_cannot_change_what_is_trained():
+    saved = load_config_text(config_toml(TrainConfig(lora_rank=8)))
+    assert changes_on_resume(saved, TrainConfig(lora_rank=8, lora_dropout=0.1))[0].startswith(
+        "warning: --lora-dropout is 0.1"
+    )
+    with pytest.raises(LayerConfigError, match=r"--lora-rank is 4, but the run was started with 8: it decides what is trained"):
+        changes_on_resume(saved, TrainConfig(lora_rank=4))
+    with pytest.raises(LayerConfigError, match=r"--lora-targets is 'q,k,v'"):
+        changes_on_resume(saved, TrainConfig(lora_rank=8, lora_targets="q,k,v"))
+    # A run written before the option (the file lacks it) compares with its default.
+    old = load_config(OLD_CONFIG)
+    with pytest.raises(LayerConfigError, match=r"--freeze is 'embed', but the run was started with None"):
+        changes_on_resume(old, TrainConfig(**OLD_VALUES, freeze="embed"))
 
 
 def test_a_config_file_is_checked_and_the_flags_win(tmp_path, monkeypatch, capsys):

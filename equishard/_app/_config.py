@@ -5,8 +5,8 @@ directory.
 Each option is declared once here (see `_options` for the mechanism and how to add an
 option or a command): `equishard train`'s configuration `TrainConfig` is made of the
 sections `LayoutOptions`, `ModelOptions`, `OptimizerOptions`, `DataOptions`,
-`CheckpointOptions`, `LogOptions` and `StartOptions`; `inspect`, `plan` and `launch`
-take `InspectConfig`, `PlanConfig` and `LaunchConfig`. Their parsers and the TOML file
+`FineTuneOptions`, `CheckpointOptions`, `LogOptions` and `StartOptions`; `inspect`,
+`plan` and `launch` take `InspectConfig`, `PlanConfig` and `LaunchConfig`. Their parsers and the TOML file
 are generated from these classes.
 
 A file sets any `TrainConfig` option, spelled as the field (`batch_size`) or as the
@@ -36,6 +36,7 @@ from ..report import DEVICE_PROFILES
 from ..sharding import Layout
 from ._options import (
     COMPUTATION,
+    FIXED,
     LAYOUT,
     NEUTRAL,
     START,
@@ -128,6 +129,18 @@ class DataOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class FineTuneOptions:
+    """What is trained: LoRA adapters on a frozen base, or a frozen subset of the model."""
+
+    lora_rank: int | None = option(None, "train LoRA adapters of this rank on the frozen model (the base: --init-from's, or the seed's); only the adapters get gradients and optimizer state", resume=FIXED, metavar="R")
+    lora_alpha: float | None = option(None, "LoRA's alpha: the adapters' update is scaled by alpha / rank (default: the rank, a scale of 1)", resume=FIXED, metavar="A")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", resume=COMPUTATION)
+    lora_targets: str = option("q,v", "the projections that get adapters, of q, k, v, o (attention) and gate, up, down (MLP)", resume=FIXED, metavar="T,...")
+    freeze: str | None = option(None, "freeze the parameters whose path matches this regular expression (e.g. 'embed|blocks'): no gradient, no optimizer state; with --lora-rank the base is frozen already", resume=FIXED, metavar="PATTERN")
+    init_adapters: str | None = option(None, "start the adapters from a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) made for the --init-from model; its rank, alpha and targets are used", resume=FIXED, metavar="DIR")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
     """Where and how often checkpoints are saved, and how they are verified."""
 
@@ -163,7 +176,7 @@ class StartOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(StartOptions, LogOptions, CheckpointOptions, DataOptions, OptimizerOptions, ModelOptions, LayoutOptions):
+class TrainConfig(StartOptions, LogOptions, CheckpointOptions, FineTuneOptions, DataOptions, OptimizerOptions, ModelOptions, LayoutOptions):
     """Everything `equishard train` takes (its options, one field each, flat:
     `config.batch_size`), made of the sections it inherits (layout first).
 
@@ -299,6 +312,8 @@ class ExportConfig:
     step: int | None = option(None, "the checkpoint step (default: the latest; every array verified against its checksum)")
     dtype: str | None = option(None, "the tensors' dtype (default: the source checkpoint's, else float32)", choices=tuple(DTYPES))
     max_shard_gib: float = option(5.0, "the size limit of one safetensors file, in GiB", metavar="GIB")
+    merged: bool = option(False, "a LoRA run: write the model with its adapters merged into the base weights (a Hugging Face model folder)")
+    adapters: bool = option(False, "a LoRA run: write the adapters alone, as a PEFT folder (adapter_config.json, adapter_model.safetensors) for the run's --init-from base (the default for a LoRA run started from --init-from; --merged for one started from a seed)")
     devices: int = option(8, "CPU devices to simulate (ignored on accelerators)")
 
 

@@ -72,9 +72,7 @@ def load_run(
             f"(with checkpoints verified, the default) first."
         )
     run = Run(config, devices=devices)
-    state = run.state_template()
-    state = ckpt.restore(state, step=verified[-1], mesh=run.mesh)
-    return run, state, verified[-1]
+    return run, run.restore(ckpt, verified[-1]), verified[-1]
 
 
 def _verified(meta: dict[str, Any]) -> bool:

@@ -65,9 +65,12 @@ checkpoint to it and says so."""
 COMPUTATION = "computation"
 """Changes the training (seed, dtype, learning rate, batch): a resume warns that its steps
 differ from an uninterrupted run's."""
+FIXED = "fixed"
+"""Decides what is trained (the adapters, the frozen parameters, the base they adapt): a
+resume that changes it is refused by name, before anything is restored."""
 START = "start"
 """Says how a run was started (resume, overwrite), not what it is: never saved."""
-RESUME_CLASSES = (NEUTRAL, LAYOUT, COMPUTATION, START)
+RESUME_CLASSES = (NEUTRAL, LAYOUT, COMPUTATION, FIXED, START)
 
 _META = "equishard_option"
 
@@ -332,11 +335,22 @@ def resume_changes(saved: dict[str, Any], config: Any) -> list[str]:
     One warning per `COMPUTATION` option that differs, and one line announcing a reshard
     when a `LAYOUT` option differs (a layout option the file lacks is compared with its
     default); `NEUTRAL` and `START` options are not mentioned.
+
+    **Raises:**
+
+    `LayerConfigError` naming a `FIXED` option that differs (one the file lacks is
+    compared with its default): what is trained cannot change on a resume.
     """
     out = []
     moved = []
     for field, meta in options_of(type(config)):
         name, new = field.name, getattr(config, field.name)
+        if meta.resume == FIXED and saved.get(name, field.default) != new:
+            raise LayerConfigError(
+                f"{flag_of(field, meta)} is {new!r}, but the run was started with "
+                f"{saved.get(name, field.default)!r}: it decides what is trained, and a resume "
+                f"cannot change it (start a new run in another --run-dir, or resume with the run's own value)."
+            )
         if meta.resume == LAYOUT and saved.get(name, field.default) != new:
             moved.append((name, saved.get(name, field.default), new))
         if meta.resume == COMPUTATION and name in saved and saved[name] != new:

@@ -52,6 +52,7 @@ from ..sharding import Parallelism, filter_shard_map, format_param_table, gather
 from ..train import TrainState, batch_at, export_model
 from ._config import DTYPES, TrainConfig, layout_from_options
 from ._data import ByteCorpus, ByteWindows, corpus_identity, load_stdlib_corpus
+from ._finetune import base_source, check_finetune_options, run_lora, run_trainable
 from ._log import (
     Clock,
     Throughput,
@@ -132,6 +133,7 @@ def check_options(config: TrainConfig) -> None:
         )
     _check_counters(config)
     check_schedule(make_schedule(config), config.steps, breakpoints=(config.warmup,))
+    check_finetune_options(config)
 
 
 MAX_COUNT = 2**31 - 1
@@ -283,6 +285,10 @@ class Run:
             batch_chunks=config.batch_chunks, document_masking=config.document_masking,
         )  # fmt: skip
         self.optimizer = make_optimizer(config)
+        # What is trained: LoRA adapters, or all but what --freeze matches (None: all).
+        self.lora = run_lora(config)
+        self.trainable = run_trainable(config, self.lora)
+        self.base_source = base_source(config)
         self.batch_spec = self.layout.batch_spec
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
         # Mixed precision by the step (float32 master weights and optimizer state, FSDP
@@ -290,7 +296,7 @@ class Run:
         self.training = gpt_training(
             self.model_config, self.layout, self.mesh, self.optimizer,
             grad_accum=config.grad_accum, clip_norm=config.clip_norm,
-            precision=precision_policy(DTYPES[config.dtype]),
+            precision=precision_policy(DTYPES[config.dtype]), lora=self.lora, trainable=self.trainable,
         )  # fmt: skip
         self.loss_fn = loss_fn = self.training.loss_fn
         self.train_step = self.training.step
@@ -316,15 +322,40 @@ class Run:
 
     def init_state(self) -> TrainState:
         """The initial state, born sharded (mesh-invariant: the same on every layout);
-        with `--init-from`, its model read from the Hugging Face folder (each device its
-        own blocks; the optimizer state is built from the parameters' shapes alone)."""
+        with `--init-from`, its model's weights read from the Hugging Face folder (each
+        device its own blocks; the optimizer state is built from the parameters' shapes
+        alone), with `--init-adapters` its adapters from the PEFT folder."""
         state = self._initial_state()
         if self.config.init_from is None:
             return state
+        from ..models import add_lora, load_peft
         from ._hf import init_from_hf
 
-        _, model = init_from_hf(self.config.init_from, self.layout, self.mesh, seq_len=self.config.seq_len)
+        _, loaded = init_from_hf(self.config.init_from, self.layout, self.mesh, seq_len=self.config.seq_len)
+        if self.lora is not None:  # B zero: the loaded model's function
+            loaded = add_lora(loaded, self.lora, key=jax.random.key(self.config.seed))
+        model = _with_config_of(state.model, loaded)
+        if self.config.init_adapters is not None:
+            model = load_peft(model, os.fspath(self.config.init_adapters))
         return eqx.tree_at(lambda s: s.model, state, model)
+
+    def base_model(self) -> GPT | None:
+        """The frozen base a checkpoint of the trained part is restored onto (the model
+        `init_state` builds: `--init-from`'s weights, or the seed's), or `None` for a run
+        that trains every array."""
+        return None if self.trainable is None else self.init_state().model
+
+    def restore(self, ckpt: Checkpointer, step: int | None) -> TrainState:
+        """Checkpoint `step` (default: the latest) restored under this run's layout; one
+        of the trained part onto the run's base, its fingerprint checked."""
+        return ckpt.restore(
+            self.state_template(), step=step, mesh=self.mesh, base=self.base_model(), base_source=self.base_source
+        )  # fmt: skip
+
+    def save(self, ckpt: Checkpointer, step: int, state: TrainState, *, exist_ok: bool = False) -> bool:
+        """Save checkpoint `step`: the trained part only when the run trains part of
+        its model (with its base's fingerprint)."""
+        return ckpt.save(step, state, exist_ok=exist_ok, trainable=self.trainable, base_source=self.base_source)
 
     def _initial_state(self) -> TrainState:
         return self.training.init_state(jax.random.key(self.config.seed))
@@ -607,6 +638,7 @@ def _run_locked(
             ckpt.check_writable()
         resumed = ""
         if resuming:
+            changes = _resume_changes(run_dir, config)  # a change of what is trained refused here
             state = _resume(r, ckpt, metadata, print_fn)
             for note in filter(None, [profile_resumed_note(config.profile, config.steps, int(state.step))]):
                 print_fn(note)
@@ -616,7 +648,7 @@ def _run_locked(
                 f"{int(state.data_position)}), saved under layout {saved_layout}"
                 + ("" if saved_layout == config.layout else f", resharded to {config.layout}")
             )
-            for line in _resume_changes(run_dir, config):
+            for line in changes:
                 print_fn(line)
             rows = [row for row in rows if row["step"] <= int(state.step)]
         else:
@@ -686,6 +718,19 @@ _NOT_ARCHITECTURE = ("remat", "remat_offload", "batch_chunks", "fused_loss", "lo
 under another rematerialisation policy, number of batch pieces or loss chunking."""
 
 
+def _with_config_of(template: GPT, loaded: GPT) -> GPT:
+    """`loaded`'s arrays in `template`'s structure: the run's `GPTConfig` (its
+    rematerialisation, batch pieces, document masking), not the one the loader built
+    from `config.json` alone."""
+    leaves, template_leaves = jax.tree.leaves(loaded), jax.tree.leaves(template)
+    if len(leaves) != len(template_leaves):
+        raise CheckpointError(
+            f"--init-from: the loaded model has {len(leaves)} arrays and the run's model "
+            f"{len(template_leaves)}: they are not one architecture."
+        )
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
 def _without_remat(model: Any) -> Any:
     if not isinstance(model, dict):
         return model
@@ -736,7 +781,7 @@ def _resume(r: Run, ckpt: Checkpointer, metadata: dict[str, Any], print_fn: Call
             f"its data positions would index other text. Resume with the Python that started "
             f"the run."
         )
-    state = ckpt.restore(r.state_template(), step=config.resume_step, mesh=r.mesh)
+    state = r.restore(ckpt, config.resume_step)
     if step >= config.steps:  # after the restore: a checkpoint that does not fit says so first
         raise CheckpointError(
             f"--resume: the checkpoint in {checkpoint_dir} is at step {step}, and --steps is "
@@ -965,7 +1010,7 @@ def _train(
             if bar is not None:
                 _advance(bar, loss, val_loss, throughput)
             if (step + 1) % config.checkpoint_every == 0:
-                phases.timed("checkpoint", lambda: ckpt.save(step + 1, state))
+                phases.timed("checkpoint", lambda: r.save(ckpt, step + 1, state))
         if bar is not None:
             bar.close()
         if board is not None:
@@ -973,7 +1018,7 @@ def _train(
 
     def final_checkpoint() -> None:  # once a stop is asked for, signals cannot interrupt it
         stop.saving = int(state.step)
-        ckpt.save(int(state.step), state, exist_ok=True)
+        r.save(ckpt, int(state.step), state, exist_ok=True)
         ckpt.wait()
         stop.saving = None
 

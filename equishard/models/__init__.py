@@ -38,8 +38,8 @@ from ._hf import (
     read_hf_config as read_hf_config,
 )
 from ._lora import (
-    add_lora as add_lora,
     adapters_trainable as adapters_trainable,
+    add_lora as add_lora,
     export_peft as export_peft,
     load_peft as load_peft,
     lora_of as lora_of,
