@@ -6,8 +6,8 @@ Each option is declared once here (see `_options` for the mechanism and how to a
 option or a command): `equishard train`'s configuration `TrainConfig` is made of the
 sections `LayoutOptions`, `ModelOptions`, `OptimizerOptions`, `DataOptions`,
 `FineTuneOptions`, `CheckpointOptions`, `LogOptions` and `StartOptions`; `inspect`,
-`plan` and `launch` take `InspectConfig`, `PlanConfig` and `LaunchConfig`. Their parsers and the TOML file
-are generated from these classes.
+`plan` and `launch` take `InspectConfig`, `PlanConfig` and `LaunchConfig`. Their
+parsers and the TOML file are generated from these classes.
 
 A file sets any `TrainConfig` option, spelled as the field (`batch_size`) or as the
 flag (`batch-size`), in its section's table (`[data]`) or at the top level (as runs wrote
