@@ -223,3 +223,18 @@ def test_the_model_file_is_written_one_array_at_a_time(tmp_path, monkeypatch, la
     export_model(plain, tmp_path / "new.eqx")
     assert len(alive) == len(jax.tree.leaves(plain)) == 10
     assert (tmp_path / "new.eqx").read_bytes() == (tmp_path / "old.eqx").read_bytes()
+
+
+def test_the_end_of_run_sample_is_skipped_for_a_model_too_large_for_one_device(monkeypatch):
+    """The sample gathers the model onto one device: above half of its memory it is
+    skipped, and the message says so (and where to sample instead)."""
+    from equishard._app import _run
+
+    model = {"w": jnp.zeros((200,), jnp.float32)}  # 800 bytes
+    monkeypatch.setattr(_run, "device_memory_stat", lambda devices, stat: [])
+    monkeypatch.setattr(_run, "machine_memory", lambda devices: (2000, "RAM"))
+    assert _run._too_large_for_one_device(model, jax.devices()) == ""
+    monkeypatch.setattr(_run, "machine_memory", lambda devices: (1000, "RAM"))
+    assert _run._too_large_for_one_device(model, jax.devices()) == (
+        "the model's 800 B would be gathered onto one device of 1000 B"
+    )

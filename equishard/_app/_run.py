@@ -222,6 +222,17 @@ def machine_memory(devices: list) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
 
 
+def _too_large_for_one_device(model: Any, devices: list) -> str:
+    """Why the end-of-run sample, which gathers the model onto one device, would not fit
+    there (the model above half of the smallest device's memory), or `""`."""
+    limits = device_memory_stat(devices, "bytes_limit")
+    one = min(limits) if limits and len(limits) == len(devices) else machine_memory(devices)[0]
+    size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    if 2 * size <= one:
+        return ""
+    return f"the model's {human_bytes(size)} would be gathered onto one device of {human_bytes(one)}"
+
+
 def check_fits_machine(name: str, model: Any, devices: list) -> None:
     """Refuse a preset whose parameters, gradients and AdamW moments (16 bytes per
     parameter in float32) exceed the memory of `devices`, before anything is built.
@@ -1073,7 +1084,10 @@ def _finish(
     sample = ""
     if config.sample_bytes and stop.stop():
         return _stopped_at_end(config, f"the model is in {exported}; the sample was", stop, print_fn)
-    if config.sample_bytes:
+    too_large = config.sample_bytes and _too_large_for_one_device(state.model, list(r.mesh.devices.flat))
+    if too_large:
+        print_fn(f"sample: skipped, {too_large}; `equishard generate --run-dir {run_dir}` samples under the run's layout.")
+    elif config.sample_bytes:
         prompt = "def "
         whole = gather(state.model)  # across processes a collective: every process joins
         if coordinator:  # then no collective: process 0 samples alone
