@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import equishard as es
 from equishard.train import (
     Checkpointer,
+    LocalView,
     MixedPrecision,
     export_model,
     import_model,
@@ -131,7 +132,7 @@ def _step(layout, grad_accum=1, batch_stats="global"):
     axes = data_axes(mesh)
     return make_train_step(
         make_loss(axes), OPTIMIZER, mesh=mesh, batch_spec=P(axes), grad_accum=grad_accum,
-        batch_stats=batch_stats, donate=False,
+        view=LocalView(batch_stats=batch_stats), donate=False,
     )  # fmt: skip
 
 
@@ -253,10 +254,11 @@ def test_mixed_precision_casts_the_model_and_keeps_the_state_float32():
     _assert_curve(losses, _train("dp=1")[1][:3], tol=1e-2)
 
 
-def test_per_device_statistics_need_the_local_view():
-    with pytest.raises(es.LayerConfigError, match="batch_stats='device'"):
-        make_train_step(make_loss(()), OPTIMIZER, mesh=es.make_mesh("dp=8"), batch_spec=P("dp"),
-                        view="global", batch_stats="device")  # fmt: skip
+def test_batch_statistics_are_an_option_of_the_local_view():
+    with pytest.raises(es.LayerConfigError, match="LocalView: batch_stats must be 'global'"):
+        LocalView(batch_stats="per_device")
+    with pytest.raises(es.LayerConfigError, match=r"view must be 'local', 'global' or a LocalView"):
+        make_train_step(make_loss(()), OPTIMIZER, mesh=es.make_mesh("dp=8"), batch_spec=P("dp"), view="device")
 
 
 def _infer(model, state, x):

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import example_keys
-from equishard.train import init_train_state, make_train_step
+from equishard.train import LocalView, init_train_state, make_train_step
 
 # --8<-- [end:cnn-setup]
 
@@ -82,7 +82,7 @@ def train_cnn(layout, grad_accum=1, batch_stats="global"):
 
     state = init_train_state(make, optimizer, jax.random.key(0), mesh=mesh)
     step = make_train_step(cnn_loss, optimizer, mesh=mesh, batch_spec=P(data),
-                           grad_accum=grad_accum, batch_stats=batch_stats)  # fmt: skip
+                           grad_accum=grad_accum, view=LocalView(batch_stats=batch_stats))  # fmt: skip
     losses = []
     for batch in images:
         state, metrics = step(state, batch)

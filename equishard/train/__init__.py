@@ -49,6 +49,7 @@ from ._safetensors import (
 from ._state import TrainState as TrainState, init_train_state as init_train_state
 from ._step import (
     CompiledTrainStep as CompiledTrainStep,
+    LocalView as LocalView,
     TrainStep as TrainStep,
     make_train_step as make_train_step,
 )

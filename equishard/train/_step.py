@@ -24,6 +24,7 @@ wraps the program (`TrainStep`, `CompiledTrainStep`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterator
@@ -344,27 +345,53 @@ class CompiledTrainStep(eqx.Module):
         return eqx.combine(new_arrays, static.tree()), metrics
 
 
-def _check_batch_stats(batch_stats: str, view: str) -> None:
-    """Raise for a `batch_stats` option of `make_train_step` that cannot work."""
-    if batch_stats not in ("global", "device"):
-        raise LayerConfigError(
-            f"make_train_step: batch_stats must be 'global' (statistics over the global "
-            f"batch, as on one device) or 'device' (each device's own examples), got {batch_stats!r}."
-        )
-    if batch_stats == "device" and view == "global":
-        raise LayerConfigError(
-            "make_train_step(batch_stats='device', view='global'): in the global view the "
-            "loss function sees the whole batch, and its batch norms take their statistics "
-            "over all of it; per-device statistics need view='local'."
-        )
+@dataclasses.dataclass(frozen=True)
+class LocalView:
+    """`make_train_step`'s local view (`view="local"` is `LocalView()`), with how batch
+    norms take their statistics in it.
+
+    **Fields:**
+
+    - `batch_stats`: `"global"` (default): an `eqx.nn.BatchNorm` (written as on one
+      device, `axis_name` the name of the `vmap` over the batch) takes its statistics
+      over the examples of the whole micro-batch, across the data axes, as on one device
+      (PyTorch's SyncBatchNorm). `"device"`: over each device's own examples (PyTorch
+      DDP's BatchNorm); the running statistics stored are then the mean over the devices
+      of each device's running statistics. With `grad_accum`, a micro-step's statistics
+      are over that micro-step's examples: the m-th slice of each device's block of the
+      batch. (The global view has no such choice: its loss sees the whole batch.)
+
+    **Raises:**
+
+    `LayerConfigError` for another `batch_stats`.
+    """
+
+    batch_stats: str = "global"
+
+    def __post_init__(self) -> None:
+        if self.batch_stats not in ("global", "device"):
+            raise LayerConfigError(
+                f"LocalView: batch_stats must be 'global' (statistics over the global batch, "
+                f"as on one device) or 'device' (each device's own examples), got {self.batch_stats!r}."
+            )
+
+
+def _check_view(view: Any) -> tuple[str, str]:
+    """`(view, batch_stats)` of `make_train_step`'s `view`: `"local"`, `"global"` or a
+    `LocalView`."""
+    if isinstance(view, LocalView):
+        return "local", view.batch_stats
+    if view in ("local", "global"):
+        return view, "global"
+    raise LayerConfigError(
+        f"make_train_step: view must be 'local', 'global' or a LocalView(batch_stats=...), got {view!r}."
+    )
 
 
 def _check_options(grad_accum: int, view: str, mesh: Mesh, clip_norm: float | None) -> None:
     """Raise for an option of `make_train_step` that cannot work."""
     if grad_accum < 1:
         raise LayerConfigError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}.")
-    if view not in ("local", "global"):
-        raise LayerConfigError(f"make_train_step: view must be 'local' or 'global', got {view!r}.")
     if view == "global" and any(t == AxisType.Explicit for t in mesh.axis_types):
         raise LayerConfigError(
             f"make_train_step(view='global') needs a mesh of Auto axes, where XLA chooses "
@@ -389,11 +416,10 @@ def make_train_step(
     grad_accum: int = 1,
     clip_norm: float | None = None,
     donate: bool = True,
-    view: str = "local",
+    view: str | LocalView = "local",
     opt_sharding: OptStateSharding | None = None,
     precision: Precision | None = None,
     compiler_options: dict[str, Any] | None = None,
-    batch_stats: str = "global",
     trainable: Trainable | Any = None,
 ) -> TrainStep:
     """Make a pure, jitted `train_step(state, batch) -> (state, metrics)`.
@@ -456,6 +482,9 @@ def make_train_step(
       the global batch and returns its mean (a `pmean` over no axes, `()`, is a no-op);
       `index` is `0, ..., B - 1`. The mesh's axes must be `Auto` (what `make_mesh`
       builds). See the "Your own model" guide for what each view costs.
+      `LocalView(batch_stats="device")`: the local view, batch norms taking their
+      statistics over each device's own examples (see `LocalView`; `"local"` is
+      `LocalView()`, statistics over the whole micro-batch as on one device).
     - `opt_sharding`: the optimizer state's layout, a value the step holds: `Mirror()`
       (default, `None`: the state's arrays as their parameters) or `ZeRO1(axes)`
       (optimizer-state sharding over those data axes, e.g. `ZeRO1("dp")`): the
@@ -475,14 +504,6 @@ def make_train_step(
       take precedence) and gradients are reduced in `reduce_dtype` (`None`: float32, as
       torch FSDP2). The policy decides every cast: the loss function casts nothing. See
       the training guide's "Mixed precision".
-    - `batch_stats`: `"global"` (default): an `eqx.nn.BatchNorm` (written as on one device,
-      `axis_name` the name of the `vmap` over the batch) takes its statistics over the
-      examples of the whole micro-batch, across the data axes, as on one device
-      (PyTorch's SyncBatchNorm). `"device"`: over each device's own examples (PyTorch
-      DDP's BatchNorm); the running statistics stored are then the mean over the
-      devices of each device's running statistics. With `grad_accum`, a micro-step's
-      statistics are over that micro-step's examples: the m-th slice of each device's
-      block of the batch. `"device"` needs `view="local"`.
     - `trainable`: the trainable filter, a value the step holds (`None`, the default:
       every floating array): a `Trainable`, or what it takes — a callable `(path, leaf)
       -> bool` over the model's arrays (`path` as `equishard.sharding.path_str` writes
@@ -525,8 +546,8 @@ def make_train_step(
     compiled step given a batch of another shape. `EquishardError`
     for `compiler_options` that XLA refuses, before anything is traced.
     """
+    view, batch_stats = _check_view(view)
     _check_options(grad_accum, view, mesh, clip_norm)
-    _check_batch_stats(batch_stats, view)
     compiler_options = check_compiler_options(compiler_options, "make_train_step")
     layout = bind_opt_sharding(opt_sharding, mesh, "make_train_step")
     data_axes = data_axes_of(batch_spec) if view == "local" else ()
