@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -352,22 +352,46 @@ def export_hf(
         for tensor in _names_in(source):
             make = lambda s=source, t=tensor, p=path: _to_host(tensor_of(s, t, arrays[p], shapes))  # noqa: E731
             tensors.append(OutTensor(tensor, shapes[tensor], np_dtype, make))
-    tensors.sort(key=lambda t: t.name)
+    generation = {"do_sample": False, **{k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}}
+
+    def beside(tmp: str) -> None:
+        _write_json(os.path.join(tmp, "config.json"), hf)
+        _write_json(os.path.join(tmp, "generation_config.json"), generation)
+        if tokenizer_from is not None:
+            copy_tokenizer(tokenizer_from, tmp)
+
+    return write_folder(to, tensors, beside, max_shard_bytes=max_shard_bytes)
+
+
+def write_folder(
+    to: str, tensors: list[OutTensor], beside: Callable[[str], None], *,
+    max_shard_bytes: int, single: str | None = None,
+) -> str:  # fmt: skip
+    """Write `tensors` (sorted by name) as safetensors into a new folder `to`, and what
+    `beside(folder)` writes next to them (`single`: the name of a one-file checkpoint,
+    default `write_safetensors`'): into a temporary folder beside `to`, renamed
+    to `to` once complete (an interrupted export leaves no folder that looks complete).
+    Every process takes part in each tensor's gather; process 0 writes.
+
+    **Raises:**
+
+    `CheckpointError` for a `to` that exists and is not an empty folder.
+    """
+    tensors = sorted(tensors, key=lambda t: t.name)
     if jax.process_index() != 0:
         for t in tensors:
-            t.make()  # every process takes part in each tensor's gather; process 0 writes
-        _sync("equishard-export-written")
+            t.make()
+        _sync(f"equishard-export-written-{os.path.basename(to)}")
         return to
     parent = os.path.dirname(os.path.abspath(to))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        write_safetensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
-        _write_json(os.path.join(tmp, "config.json"), hf)
-        generation = {"do_sample": False, **{k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}}
-        _write_json(os.path.join(tmp, "generation_config.json"), generation)
-        if tokenizer_from is not None:
-            copy_tokenizer(tokenizer_from, tmp)
+        if single is None:
+            write_safetensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
+        else:
+            write_safetensors(tmp, tensors, max_shard_bytes=max_shard_bytes, single=single)
+        beside(tmp)
         _claim(to)
         if os.path.isdir(to):
             os.rmdir(to)
@@ -375,7 +399,7 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _sync("equishard-export-written")
+    _sync(f"equishard-export-written-{os.path.basename(to)}")
     return to
 
 

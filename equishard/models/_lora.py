@@ -17,8 +17,6 @@ import copy
 import json
 import os
 import re
-import shutil
-import tempfile
 from typing import Any
 
 import equinox as eqx
@@ -41,10 +39,9 @@ from ..train import (
     load_safetensors,
     source_tensors,
     tensor_of,
-    write_safetensors,
 )
 from ._gpt import GPT, canonical_path
-from ._hf import _DTYPES, _claim, _sync, _to_host
+from ._hf import _DTYPES, _claim, _to_host, write_folder
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -352,29 +349,13 @@ def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str, dtype:
         for tensor in source_tensors(source):
             make = lambda s=source, t=tensor, v=value: _to_host(tensor_of(s, t, v, {}))  # noqa: E731
             tensors.append(OutTensor(tensor, tuple(value.shape[-2:]), out, make))
-    tensors.sort(key=lambda t: t.name)
-    if jax.process_index() != 0:
-        for t in tensors:
-            t.make()  # every process takes part in each tensor's gather; process 0 writes
-        _sync("equishard-peft-written")
-        return folder
-    parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
-        write_safetensors(tmp, tensors, max_shard_bytes=2**62, single=PEFT_WEIGHTS)
+
+    def beside(tmp: str) -> None:
         with open(os.path.join(tmp, PEFT_CONFIG), "w") as f:
             json.dump(_peft_config(lora, base_model_name_or_path), f, indent=2, sort_keys=True)
             f.write("\n")
-        _claim(folder)
-        if os.path.isdir(folder):
-            os.rmdir(folder)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _sync("equishard-peft-written")
-    return folder
+
+    return write_folder(folder, tensors, beside, max_shard_bytes=2**62, single=PEFT_WEIGHTS)
 
 
 def read_peft_config(folder: str) -> LoRA:
