@@ -27,6 +27,7 @@ from ._initializers import (
 )
 from ._linear import (
     ColumnParallelLinear as ColumnParallelLinear,
+    LinearOptions as LinearOptions,
     RowParallelLinear as RowParallelLinear,
 )
 from ._lora import LORA_TARGETS as LORA_TARGETS, LoRA as LoRA, LoRAAdapter as LoRAAdapter

@@ -20,7 +20,7 @@ single-device ones with no further synchronisation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import equinox as eqx
 import jax
@@ -138,6 +138,38 @@ def lora_scale(layer: str, lora_rank: int | None, lora_alpha: float) -> float:
     return float(lora_alpha) / lora_rank
 
 
+class LinearOptions(TypedDict, total=False):
+    """The keyword options both parallel linears take (`ColumnParallelLinear(...,
+    **options)`, `RowParallelLinear(..., **options)`), spelled as the seeds spell them;
+    each may be left out (its default in brackets).
+
+    - `axis_name` (`"tp"`): the mesh axis the split features are split over (the
+      outputs of a column layer, the inputs of a row layer).
+    - `bias` (`True`): whether to add a bias (a row layer adds it once, after the sum
+      over the axis).
+    - `init_type` (`"xavier_normal"`): see `equishard.nn.init_weight`.
+    - `stride` (`1`): the number of interleaved pieces of the split features (3 for a
+      fused QKV projection's outputs); must divide each device's partition.
+    - `lora_rank` (`None`): if given, add a LoRA update `scale * B @ A` with `A`
+      `[r, in]` and `B` `[out, r]` (zero-initialised, so a fresh layer equals its
+      base); the factor that touches the split features is split as the weight is.
+    - `lora_alpha` (`1.0`): LoRA's `alpha`; the update is scaled by `alpha / r`.
+    - `sequence_parallel` (`False`): the token dimension (-2) of the activations is
+      split over the axis (Megatron sequence parallelism): a column layer all-gathers
+      its input over it, a row layer reduce-scatters its output.
+    - `dtype` (`None`: JAX's default float): the parameters' dtype.
+    """
+
+    axis_name: str
+    bias: bool
+    init_type: str
+    stride: int
+    lora_rank: int | None
+    lora_alpha: float
+    sequence_parallel: bool
+    dtype: Any
+
+
 class _ParallelLinear(eqx.Module):
     """What the column- and the row-parallel layer share: the weight `[out, in]` split
     over one of its dimensions (`split`: 0, the outputs, or 1, the inputs), with
@@ -158,9 +190,10 @@ class _ParallelLinear(eqx.Module):
     sequence_parallel: bool = eqx.field(static=True)
 
     def _init_parameters(
-        self, name: str, split: int, in_features: int, out_features: int, *, axis_name: str,
-        bias: bool, init_type: str, stride: int, lora_rank: int | None, lora_alpha: float,
-        sequence_parallel: bool, dtype: Any, key: PRNGKeyArray,
+        self, name: str, split: int, in_features: int, out_features: int, *, key: PRNGKeyArray,
+        axis_name: str = "tp", bias: bool = True, init_type: str = "xavier_normal", stride: int = 1,
+        lora_rank: int | None = None, lora_alpha: float = 1.0, sequence_parallel: bool = False,
+        dtype: Any = None,
     ) -> None:  # fmt: skip
         """Check the options and build the arrays (mesh-invariant: the global arrays from
         `key`, then split), for `name` splitting dimension `split` of the weight."""
@@ -219,50 +252,26 @@ class ColumnParallelLinear(_ParallelLinear):
     gather_output: bool = eqx.field(static=True)
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        axis_name: str = "tp",
-        bias: bool = True,
-        gather_output: bool = True,
-        init_type: str = "xavier_normal",
-        stride: int = 1,
-        lora_rank: int | None = None,
-        lora_alpha: float = 1.0,
-        sequence_parallel: bool = False,
-        dtype: Any = None,
-        key: PRNGKeyArray,
-    ):
+        self, in_features: int, out_features: int, *, gather_output: bool = True,
+        key: PRNGKeyArray, **options: Unpack[LinearOptions],
+    ):  # fmt: skip
         """**Arguments:**
 
         - `in_features`, `out_features`: the global sizes.
-        - `axis_name`: the mesh axis the output features are split over.
-        - `bias`: whether to add a bias.
         - `gather_output`: all-gather the outputs (replicated result) or leave them split.
-        - `init_type`: see `equishard.nn.init_weight`.
-        - `stride`: the number of interleaved pieces of the output features (3 for a
-          fused QKV projection); must divide each device's partition.
-        - `lora_rank`: if given, add a LoRA update `scale * B @ A` with `A` `[r, in]`
-          (replicated) and `B` `[out, r]` (split like the weight, zero-initialised, so a
-          fresh layer equals its base).
-        - `lora_alpha`: LoRA's `alpha`; the update is scaled by `alpha / r`.
-        - `sequence_parallel`: the input is split over its token dimension (-2) and is
-          all-gathered before the matmul; requires `gather_output=False`.
-        - `dtype`: the parameters' dtype (default: JAX's default float).
         - `key`: a PRNG key; the global weight is built from it (mesh-invariant).
+        - `options`: `LinearOptions` (`axis_name`, `bias`, `init_type`, `stride`,
+          `lora_rank`, `lora_alpha`, `sequence_parallel`, `dtype`): here the outputs are
+          split and interleaved by `stride`, LoRA's `A` is replicated and `B` split like
+          the weight; `sequence_parallel` requires `gather_output=False`.
         """
         name = "ColumnParallelLinear"
-        if sequence_parallel and gather_output:
+        if options.get("sequence_parallel", False) and gather_output:
             raise LayerConfigError(
                 f"{name}: sequence_parallel=True leaves the output split over features; "
                 "it requires gather_output=False."
             )
-        self._init_parameters(
-            name, 0, in_features, out_features, axis_name=axis_name, bias=bias,
-            init_type=init_type, stride=stride, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            sequence_parallel=sequence_parallel, dtype=dtype, key=key,
-        )  # fmt: skip
+        self._init_parameters(name, 0, in_features, out_features, key=key, **options)
         self.gather_output = gather_output
 
     @property
@@ -371,44 +380,21 @@ class RowParallelLinear(_ParallelLinear):
     input_is_parallel: bool = eqx.field(static=True)
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        axis_name: str = "tp",
-        bias: bool = True,
-        input_is_parallel: bool = False,
-        init_type: str = "xavier_normal",
-        stride: int = 1,
-        lora_rank: int | None = None,
-        lora_alpha: float = 1.0,
-        sequence_parallel: bool = False,
-        dtype: Any = None,
-        key: PRNGKeyArray,
-    ):
+        self, in_features: int, out_features: int, *, input_is_parallel: bool = False,
+        key: PRNGKeyArray, **options: Unpack[LinearOptions],
+    ):  # fmt: skip
         """**Arguments:**
 
         - `in_features`, `out_features`: the global sizes.
-        - `axis_name`: the mesh axis the input features are split over.
-        - `bias`: whether to add a bias (once, after the sum over the axis).
         - `input_is_parallel`: the input is already split over its features.
-        - `init_type`: see `equishard.nn.init_weight`.
-        - `stride`: the number of interleaved pieces of the input features; must divide
-          each device's partition.
-        - `lora_rank`: if given, add a LoRA update `scale * B @ A` with `A` `[r, in]`
-          (split like the input features) and `B` `[out, r]` (replicated,
-          zero-initialised, so a fresh layer equals its base).
-        - `lora_alpha`: LoRA's `alpha`; the update is scaled by `alpha / r`.
-        - `sequence_parallel`: reduce-scatter the output over its token dimension
-          (-2) instead of all-reducing it.
-        - `dtype`: the parameters' dtype (default: JAX's default float).
         - `key`: a PRNG key; the global weight is built from it (mesh-invariant).
+        - `options`: `LinearOptions` (`axis_name`, `bias`, `init_type`, `stride`,
+          `lora_rank`, `lora_alpha`, `sequence_parallel`, `dtype`): here the inputs are
+          split and interleaved by `stride`, LoRA's `A` is split like the inputs and `B`
+          replicated; `sequence_parallel` reduce-scatters the output over its tokens
+          instead of all-reducing it.
         """
-        self._init_parameters(
-            "RowParallelLinear", 1, in_features, out_features, axis_name=axis_name, bias=bias,
-            init_type=init_type, stride=stride, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            sequence_parallel=sequence_parallel, dtype=dtype, key=key,
-        )  # fmt: skip
+        self._init_parameters("RowParallelLinear", 1, in_features, out_features, key=key, **options)
         self.input_is_parallel = input_is_parallel
 
     @property

@@ -8,7 +8,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
 from ..._errors import LayerConfigError
 from ..._names import CONTIGUOUS
@@ -17,24 +16,28 @@ from .._collectives import (
     axis_tuple,
     combined_axis_size,
 )
-from ._common import BLOCKWISE_THRESHOLD, CAUSAL, DEFAULT_BLOCK_SIZE, AttentionMask, _check_shapes
+from ._common import (
+    BLOCKWISE_THRESHOLD,
+    CAUSAL,
+    DEFAULT_BLOCK_SIZE,
+    AttentionMask,
+    KeysValues,
+    Queries,
+    _check_shapes,
+)
 from ._dispatch import attention
 from ._zigzag import _check_layout, context_positions
 
 
 def alltoall_attention(
-    q: Float[Array, "*batch seq heads head_dim"],
-    k: Float[Array, "*batch seq kv_heads head_dim"],
-    v: Float[Array, "*batch seq kv_heads head_dim"],
-    axis_name: AxisName,
-    *,
+    q: Queries, k: KeysValues, v: KeysValues, axis_name: AxisName, *,
     mask: AttentionMask = CAUSAL,
     layout: str = "contiguous",
     scale: float | None = None,
     implementation: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     blockwise_threshold: int = BLOCKWISE_THRESHOLD,
-) -> Float[Array, "*batch seq heads head_dim"]:
+) -> Queries:
     """Attention over a sequence split across `axis_name` by all-to-alls (Ulysses).
 
     Valid inside `shard_map`. An all-to-all turns the sequence split into a head split

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from ..._axes import cast_varying
 from ..._errors import LayerConfigError
@@ -33,6 +33,11 @@ DEFAULT_BLOCK_SIZE = 512
 """The default query and key/value block size of the blockwise kernel."""
 
 _IMPLEMENTATIONS = (None, "dense", "blockwise", "cudnn")
+
+Queries = Float[Array, "*batch seq heads head_dim"]
+"""Queries (and an attention's output): `[..., T, H, hd]`."""
+KeysValues = Float[Array, "*batch seq kv_heads head_dim"]
+"""Keys or values: `[..., T, Hkv, hd]`, `Hkv` dividing `H` (grouped-query attention)."""
 
 
 class AttentionMask(eqx.Module):

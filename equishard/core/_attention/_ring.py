@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from ..._axes import cast_varying
 from ..._errors import LayerConfigError
@@ -24,6 +24,8 @@ from ._common import (
     CAUSAL,
     DEFAULT_BLOCK_SIZE,
     AttentionMask,
+    KeysValues,
+    Queries,
     _Canon,
     _canonical,
     _check_block,
@@ -146,16 +148,12 @@ def _ring_blocks(local_len: int, block_size: int, layout: str) -> int:
 
 
 def ring_attention(
-    q: Float[Array, "*batch seq heads head_dim"],
-    k: Float[Array, "*batch seq kv_heads head_dim"],
-    v: Float[Array, "*batch seq kv_heads head_dim"],
-    axis_name: AxisName,
-    *,
+    q: Queries, k: KeysValues, v: KeysValues, axis_name: AxisName, *,
     mask: AttentionMask = CAUSAL,
     layout: str = "contiguous",
     scale: float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Float[Array, "*batch seq heads head_dim"]:
+) -> Queries:
     """Attention over a sequence split across `axis_name`: ring attention.
 
     Valid inside `shard_map`. Each device keeps its query block; the key/value blocks
@@ -202,11 +200,7 @@ def _run_ring(c: _Canon, axis_name, causal: bool, scale: float, bs: int, segment
 
 
 def ring_attention_block_pairs(
-    q: Float[Array, "*batch seq heads head_dim"],
-    k: Float[Array, "*batch seq kv_heads head_dim"],
-    v: Float[Array, "*batch seq kv_heads head_dim"],
-    axis_name: AxisName,
-    *,
+    q: Queries, k: KeysValues, v: KeysValues, axis_name: AxisName, *,
     mask: AttentionMask = CAUSAL,
     layout: str = "contiguous",
     block_size: int = DEFAULT_BLOCK_SIZE,
