@@ -169,13 +169,15 @@ def test_compiled_step_holds_adapter_state_only_and_no_frozen_weight_gradient():
     assert saved == _device_bytes(full_state) - _device_bytes(state), saved
     # and the temporaries by the base's gradients.
     assert memory.temp_size_in_bytes < full_memory.temp_size_in_bytes
-    # No dot has a frozen matrix's [out, in] block (under tp=2) as its result: no
-    # weight-gradient product for any of the seven adapted projections; the full step has
-    # them all, one dot each in the layer scan's backward pass.
+    # No dot has a frozen matrix's [out, in] block (under tp=2: q, k, v f32[96, 192], o
+    # f32[192, 96], gate, up f32[256, 192], down f32[192, 256]) as its result: no
+    # weight-gradient product for any of the seven adapted projections (0 of the LoRA
+    # step's 82 dots); the full step has them (7 of its 37 dots).
     frozen_shapes = _tp_local_matrices(state.model, tp=2)
     dots, full_dots = dot_result_shapes(compiled.compiled.as_text()), dot_result_shapes(full.compiled.as_text())
     assert not frozen_shapes & set(dots), frozen_shapes & set(dots)
     assert frozen_shapes <= set(full_dots), frozen_shapes - set(full_dots)
+    assert sum(s in frozen_shapes for s in full_dots) == 7
     # The adapters' own gradients are there: A's [r, in] blocks.
     assert "f32[4,192]" in dots
 
