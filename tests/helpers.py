@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -112,6 +113,15 @@ def assert_tree_allclose(a, b, rtol: float | None = None) -> None:
         err = rel_err(x, y)
         assert err <= tol, f"{where}: relative error {err:.3e} > {tol:.0e}"
 
+
+def tree_bytes(tree) -> int:
+    """The bytes of the arrays of `tree` (boxes looked through), whole (global) arrays."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(es.unbox(tree)) if eqx.is_array(x))
+
+
+def dot_result_shapes(text: str) -> list[str]:
+    """The result shapes of the dots of an optimized HLO module (`f32[64,128]`), one per dot."""
+    return re.findall(r"= (\w+\[[\d,]*\])\{?[^ ]* dot\(", text)
 
 
 def tree_allclose(a, b, rtol: float | None = None) -> bool:

@@ -345,6 +345,19 @@ def test_hugging_face():
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2]
     assert floats(lines_after(out, "exported and reloaded under tp=4: ")[0])[-1] <= 1e-5
     assert "checkpoint tensor lm_head.weight (64, 32)" in out
+    # LoRA: the adapters learn from the base's loss (B = 0 at step 0: the base's own loss,
+    # the plain fine-tuning's first); a checkpoint of the adapters is smaller than the
+    # whole state's, refused on another base, restored onto its own; PEFT and the merged
+    # export give the adapted model's logits.
+    lora = [floats(line)[0] for line in lines_after(out, "LoRA step ")]
+    assert len(lora) == 5 and lora[0] == losses[0] and all(a > b for a, b in zip(lora, lora[1:]))
+    adapters, whole = (int(v.replace(",", "")) for v in re.findall(r"[\d,]{4,}", lines_after(out, "adapter checkpoint ")[0]))
+    assert adapters < whole
+    assert "refused: trained on another base: its frozen arrays had the fingerprint <hash> (from SOURCE)" in out
+    assert "restored onto the base at step 5" in out
+    assert "['adapter_config.json', 'adapter_model.safetensors']" in out
+    assert floats(lines_after(out, "PEFT adapters loaded onto the base: ")[0])[-1] <= 1e-5
+    assert floats(lines_after(out, "merged, exported, loaded under tp=4: ")[0])[-1] <= 1e-5
 
 
 def test_your_data():

@@ -6,7 +6,6 @@ part with a fingerprint of the base."""
 from __future__ import annotations
 
 import functools
-import re
 
 import equinox as eqx
 import jax
@@ -33,7 +32,7 @@ from equishard.train import (
     trainable_mask,
 )
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, dot_result_shapes, tree_bytes
 
 # d_ff/tp = 80 under tp=2: the MLP matrices' local blocks, f32[80, 64] and f32[64, 80],
 # have shapes no other dot's result has (8 tokens of 4 local examples: 32 rows).
@@ -157,34 +156,25 @@ def test_frozen_training_exact_against_one_device(spec):
     assert any(not np.array_equal(trained_now[p], trained_then[p]) for p in trained_now)
 
 
-def _bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if eqx.is_array(x))
-
-
-def _dot_shapes(text: str) -> list[str]:
-    """The result shapes of the dots of an optimized HLO module (`f32[64,128]`)."""
-    return re.findall(r"= (\w+\[[\d,]*\])\{?[^ ]* dot\(", text)
-
-
 def test_compiled_step_holds_trained_state_and_no_frozen_weight_gradient():
     state, compiled, _ = setup("fsdp=4,tp=2")
     full_state, full_compiled, _ = setup("fsdp=4,tp=2", frozen=False)
     mask = trainable_mask(state.model, trained)
     trainable, frozen = mask.split(es.unbox(state.model))
     # One momentum trace per trained array; nothing for the frozen ones.
-    assert _bytes(state.opt_state) == _bytes(trainable)
-    assert _bytes(full_state.opt_state) == _bytes(es.unbox(full_state.model))
-    assert _bytes(state.opt_state) < 0.5 * _bytes(full_state.opt_state)  # 197,888 of 460,032 bytes
+    assert tree_bytes(state.opt_state) == tree_bytes(trainable)
+    assert tree_bytes(full_state.opt_state) == tree_bytes(es.unbox(full_state.model))
+    assert tree_bytes(state.opt_state) < 0.5 * tree_bytes(full_state.opt_state)  # 197,888 of 460,032 bytes
     args = compiled.compiled.memory_analysis().argument_size_in_bytes
     full_args = full_compiled.compiled.memory_analysis().argument_size_in_bytes
     # The arguments shrink by the frozen arrays' traces (per device: fsdp*tp splits them).
-    saved = _bytes(frozen) / 8
+    saved = tree_bytes(frozen) / 8
     assert full_args - args == pytest.approx(saved, rel=0.1)
     # No dot computes a gradient of a frozen matrix: the frozen MLP matrices' local
     # blocks (one layer's, under fsdp=4,tp=2) appear as no dot's result; the full step
     # has them.
     local = {"f32[80,64]", "f32[64,80]"}  # up's (gate and up) and down's blocks [out, in]
-    dots, full_dots = _dot_shapes(compiled.compiled.as_text()), _dot_shapes(full_compiled.compiled.as_text())
+    dots, full_dots = dot_result_shapes(compiled.compiled.as_text()), dot_result_shapes(full_compiled.compiled.as_text())
     assert not local & set(dots), local & set(dots)
     assert local <= set(full_dots)
     # Three weight-gradient products fewer (gate, up, down; the layers are one scan).
@@ -203,7 +193,7 @@ def test_compiled_step_holds_trained_state_and_no_frozen_weight_gradient():
     base8 = trainable_mask(state8.model, trained).split(es.unbox(state8.model))[1]
     assert moved(frozen8, "all-gather") == moved(full8, "all-gather")
     gone = moved(full8, "reduce-scatter") - moved(frozen8, "reduce-scatter")
-    assert gone == 7 / 8 * _bytes(base8) == 272_384
+    assert gone == 7 / 8 * tree_bytes(base8) == 272_384
 
 
 def test_mixed_precision_and_global_view_and_model_state():

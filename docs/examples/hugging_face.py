@@ -17,6 +17,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts: 8 simulated CPU devices
 
 import pathlib
+import re
 import tempfile
 
 import equinox as eqx
@@ -112,6 +113,51 @@ else:
         theirs = hf_model(torch.tensor(expected["ids"], dtype=torch.long)).logits.numpy()
     print(f"transformers on the export: max difference {np.abs(theirs - logits_under(layout, model, expected['ids'])).max():.1e}")
 # --8<-- [end:transformers]
+
+
+# --8<-- [start:lora]
+import optax
+
+from equishard.models import LoRA, add_lora, export_peft, gpt_training, load_peft, merge_lora
+from equishard.train import Checkpointer
+
+lora = LoRA(8, alpha=16.0, targets=("q", "v"))  # rank 8 on the attention's q and v
+par, mesh = layout.resolve(), layout.mesh()  # fsdp=4,tp=2, as above
+base = load_hf(str(SOURCE), par, mesh)
+training = gpt_training(base.config, par, mesh, optax.adamw(1e-2), lora=lora)  # trains the adapters only
+state = training.init_state(jax.random.key(0))  # the optimizer state: the adapters' moments
+state = eqx.tree_at(lambda s: s.model, state, add_lora(base, lora, key=jax.random.key(1)))  # B = 0: the base itself
+for step in range(5):
+    state, metrics = training.step(state, windows)
+    print(f"LoRA step {step}: loss {float(metrics['loss']):.4f}")
+
+workdir = pathlib.Path(tempfile.mkdtemp())
+size = lambda folder: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())  # noqa: E731
+with Checkpointer(workdir / "adapters") as ckpt:  # the adapters, their moments, the base's fingerprint
+    ckpt.save(5, state, trainable=training.step.trainable, base_source=str(SOURCE))
+with Checkpointer(workdir / "whole") as ckpt:
+    ckpt.save(5, state)
+print(f"adapter checkpoint {size(workdir / 'adapters'):,} bytes, whole state {size(workdir / 'whole'):,} bytes")
+like = eqx.filter_eval_shape(lambda: state)
+fresh = training.init_state(jax.random.key(0))  # a new run: its base is random
+try:
+    Checkpointer(workdir / "adapters").restore(like, mesh=mesh, base=fresh.model)
+except es.CheckpointError as err:
+    message = re.sub(r"[0-9a-f]{32}", "<hash>", str(err).split(" was ", 1)[1]).replace(str(SOURCE), "SOURCE")
+    print("refused:", message)
+loaded = load_hf(str(SOURCE), par, mesh)  # the base again: the adapters restore onto it
+restored = Checkpointer(workdir / "adapters").restore(like, mesh=mesh, base=add_lora(loaded, lora, key=jax.random.key(1)))
+print("restored onto the base at step", int(restored.step))
+
+adapted = logits_under(layout, state.model, expected["ids"])
+export_peft(state.model, str(workdir / "peft"), base_model_name_or_path=str(SOURCE))  # PEFT's layout
+print(sorted(p.name for p in (workdir / "peft").iterdir()), f"{size(workdir / 'peft'):,} bytes")
+peft = load_peft(load_hf(str(SOURCE), par, mesh), str(workdir / "peft"))
+print(f"PEFT adapters loaded onto the base: logits max difference {np.abs(logits_under(layout, peft, expected['ids']) - adapted).max():.1e}")
+export_hf(merge_lora(state.model), str(workdir / "merged"), hf_config=read_hf_config(str(SOURCE)))
+merged = load_hf(str(workdir / "merged"), es.Layout("tp=4").resolve(), es.Layout("tp=4").mesh())
+print(f"merged, exported, loaded under tp=4: logits max difference {np.abs(logits_under(es.Layout('tp=4'), merged, expected['ids']) - adapted).max():.1e}")
+# --8<-- [end:lora]
 
 
 # --8<-- [start:own]
