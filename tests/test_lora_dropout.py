@@ -2,6 +2,7 @@
 the layer, the target and each element's global coordinates, so a run with dropout
 computes on every layout (and under `grad_accum`) what it computes on one device."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -14,7 +15,15 @@ from jax.sharding import PartitionSpec as P
 
 import equishard as es
 from equishard.core import global_index
-from equishard.models import GPT, GPTConfig, LoRA, add_lora, adapters_trainable, lora_trainable, token_batch
+from equishard.models import (
+    GPT,
+    GPTConfig,
+    LoRA,
+    adapters_trainable,
+    add_lora,
+    lora_trainable,
+    token_batch,
+)
 from equishard.models._internal import to_single_device
 from equishard.nn._internal import LoRADropout
 from equishard.train import make_train_step, pack_windows
@@ -27,13 +36,14 @@ CONFIG = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=4, d_ff=48)
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DROP = LoRA(4, alpha=8.0, dropout=0.3, targets=TARGETS)
 WINDOWS = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
-KEY = jax.random.key(7)
+RUN_KEY = jax.random.key(7)
+KEY = jax.random.fold_in(RUN_KEY, 0)  # the key of a train state's first step (`fold_in(key, step)`)
 # "+sp": sequence parallelism; "+r2": a circular pipeline (its layers stored out of
 # order); "+1f1b": an explicit schedule (the loss computed inside the pipeline);
 # "packed": documents packed with their boundaries (their positions and segment ids
 # travel with a pipeline's activations, beside the examples' indices).
 LAYOUTS = [
-    ("dp=8", "plain"),
+    ("dp=8", "remat"),  # each block recomputed in the backward pass: its masks too
     ("fsdp=4,tp=2+sp", "chunks"),  # also batch_chunks=2: the local batch in two pieces
     ("pp=2,dp=2,tp=2+r2", "plain"),
     ("pp=2,dp=2,tp=2+1f1b", "packed"),
@@ -47,8 +57,8 @@ def _batch(kind: str, cp: int = 1):
     return token_batch(WINDOWS, cp) if cp > 1 else WINDOWS
 
 
-def _model(lora: LoRA, par=None, mesh=None, config: GPTConfig = CONFIG):
-    """The adapted GPT (adapters with a non-zero `B`), on one device or `mesh`."""
+def _model(lora: LoRA, par: es.Parallelism = es.Parallelism(), mesh=None, config: GPTConfig = CONFIG):
+    """The adapted GPT (adapters with a non-zero `B`), on one device or on `par`'s `mesh`."""
     if mesh is None:
         base = GPT(config, key=jax.random.key(0))
     else:
@@ -90,7 +100,8 @@ def _sharded(layout: str, kind: str):
     """The loss and the adapters' gradients (on one device's layout) under `layout`."""
     par = _layout(layout)
     mesh, spec = par.mesh(), par.batch_spec
-    config = CONFIG if kind != "chunks" else GPTConfig(**{**CONFIG.__dict__, "batch_chunks": 2})
+    options = {"chunks": {"batch_chunks": 2}, "remat": {"remat": "full"}}.get(kind, {})
+    config = dataclasses.replace(CONFIG, **options)
     model = _model(DROP, par, mesh, config)
 
     def body(trainable, frozen, batch, key):
@@ -115,7 +126,7 @@ def test_dropout_equals_one_device(layout, kind):
     (ref_loss, ref_grads), (plain_loss, plain_grads) = _reference("packed" if kind == "packed" else "plain")
     loss, grads = _sharded(layout, kind)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert_tree_allclose(grads, ref_grads)
+    assert_tree_allclose(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))  # configs may differ
     # ... and the masks drop something: not the undropped loss and gradients.
     assert abs(float(ref_loss) - float(plain_loss)) > 1e-3 * abs(float(plain_loss))
     assert max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads))) > 1e-2
@@ -132,6 +143,8 @@ def test_no_key_is_no_dropout():
         loss, grads = run(undropped, batch, key)
         assert float(loss) == float(plain_loss)
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)))
+    with pytest.raises(es.LayerConfigError, match=r"index has shape \(3,\); it must hold the global index of each of the 8"):
+        _model(DROP).loss(jax.tree.map(jnp.asarray, token_batch(WINDOWS)), KEY, index=jnp.arange(3))
 
 
 def test_keep_rate_and_scale():
@@ -149,37 +162,29 @@ def test_keep_rate_and_scale():
         assert abs((masks[a] == masks[b]).mean() - (0.7**2 + 0.3**2)) < 0.01  # independent
 
 
-@functools.cache
-def _train(layout: str, grad_accum: int):
-    """Two steps of SGD on the adapters (the loss function takes `index`): the losses
-    and the adapters after them, on one device's layout."""
-    if layout == "one":
-        par, mesh = es.Parallelism(), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
-        spec = P()
-    else:
-        par = _layout(layout)
-        mesh, spec = par.mesh(), par.batch_spec
+def test_grad_accum_and_layout_independent():
+    """A train step whose loss function takes `index` (the examples' global indices) and
+    passes it on draws the masks of one device without micro-steps, under any layout and
+    `grad_accum`: its loss, gradient norm and update are the one-device ones."""
+    (ref_loss, ref_grads), _ = _reference("plain")
+    par = _layout("fsdp=4,tp=2+sp")
+    lr = 4.0
 
     def loss_fn(model, batch, key, *, index):
         return model.loss(batch, key, index=index)
 
     step = make_train_step(
-        loss_fn, optax.sgd(0.5), mesh=mesh, batch_spec=spec, grad_accum=grad_accum,
+        loss_fn, optax.sgd(lr), mesh=par.mesh(), batch_spec=par.batch_spec, grad_accum=2,
         trainable=adapters_trainable(),
     )  # fmt: skip
-    state = step.init_state(lambda k: GPT(CONFIG, par, key=k, lora=DROP), jax.random.key(0))
-    losses = []
-    for _ in range(2):  # B is zero at first: the second loss sees the dropped first step
-        state, metrics = step(state, jnp.asarray(WINDOWS))
-        losses.append(float(metrics["loss"]))
-    model = to_single_device(es.gather(state.model))
-    return losses, eqx.filter(model, lora_trainable(model))
-
-
-def test_grad_accum_and_layout_independent():
-    """The step's key and the examples' global indices (`index`) make the masks those of
-    one device without micro-steps, whatever the layout and `grad_accum`."""
-    ref_losses, ref_adapters = _train("one", 1)
-    losses, adapters = _train("fsdp=4,tp=2+sp", 2)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_tree_allclose(adapters, ref_adapters)
+    state = step.init_state(lambda k: GPT(CONFIG, par, key=k, lora=DROP), RUN_KEY)
+    # The reference's model, made on the layout (its arrays do not depend on it).
+    state = eqx.tree_at(lambda s: s.model, state, _model(DROP, par, par.mesh()))
+    state, metrics = step(state, jnp.asarray(WINDOWS))
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
+    ref_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(ref_grads)))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), ref_norm, rtol=1e-5)
+    model = _model(DROP)
+    adapters = eqx.filter(to_single_device(es.gather(state.model)), lora_trainable(model))
+    expected = jax.tree.map(lambda p, g: p - lr * g, eqx.filter(model, lora_trainable(model)), ref_grads)
+    assert_tree_allclose(adapters, expected)

@@ -556,7 +556,7 @@ class GPT(eqx.Module, GathersFSDP):
         segment_ids: Int[Array, "batch seq"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
-        index: Int[Array, " batch"] | None = None,
+        index: Int[Array, " examples"] | None = None,
     ) -> tuple[Array, MoEAuxSum]:
         """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics.
 
@@ -815,7 +815,7 @@ class GPT(eqx.Module, GathersFSDP):
 
     def loss(
         self, batch: Int[Array, "batch seq_plus_one"] | dict[str, Array], key: PRNGKeyArray | None = None,
-        *, index: Int[Array, " batch"] | None = None,
+        *, index: Int[Array, " examples"] | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:  # fmt: skip
         """The global next-token loss of a local batch (to differentiate), and metrics.
 
