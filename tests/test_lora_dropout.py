@@ -44,10 +44,9 @@ KEY = jax.random.fold_in(RUN_KEY, 0)  # the key of a train state's first step (`
 # travel with a pipeline's activations, beside the examples' indices).
 LAYOUTS = [
     ("dp=8", "remat"),  # each block recomputed in the backward pass: its masks too
-    ("fsdp=4,tp=2+sp", "chunks"),  # also batch_chunks=2: the local batch in two pieces
     ("pp=2,dp=2,tp=2+r2", "plain"),
     ("pp=2,dp=2,tp=2+1f1b", "packed"),
-    ("dp=2,cp=2,tp=2", "plain"),
+    ("dp=2,cp=2,tp=2", "chunks"),  # also batch_chunks=2: the local batch in two pieces
 ]
 
 
@@ -165,10 +164,12 @@ def test_keep_rate_and_scale():
 def test_grad_accum_and_layout_independent():
     """A train step whose loss function takes `index` (the examples' global indices) and
     passes it on draws the masks of one device without micro-steps, under any layout and
-    `grad_accum`: its loss, gradient norm and update are the one-device ones."""
+    `grad_accum`: its loss, gradient norm and update are the one-device ones (here on
+    fsdp=4,tp=2 with sequence parallelism, in 2 micro-steps)."""
     (ref_loss, ref_grads), _ = _reference("plain")
     par = _layout("fsdp=4,tp=2+sp")
-    lr = 4.0
+    config = CONFIG
+    lr = 1e4  # the update -lr * g dwarfs the adapters: comparing them compares the gradients
 
     def loss_fn(model, batch, key, *, index):
         return model.loss(batch, key, index=index)
@@ -177,9 +178,9 @@ def test_grad_accum_and_layout_independent():
         loss_fn, optax.sgd(lr), mesh=par.mesh(), batch_spec=par.batch_spec, grad_accum=2,
         trainable=adapters_trainable(),
     )  # fmt: skip
-    state = step.init_state(lambda k: GPT(CONFIG, par, key=k, lora=DROP), RUN_KEY)
+    state = step.init_state(lambda k: GPT(config, par, key=k, lora=DROP), RUN_KEY)
     # The reference's model, made on the layout (its arrays do not depend on it).
-    state = eqx.tree_at(lambda s: s.model, state, _model(DROP, par, par.mesh()))
+    state = eqx.tree_at(lambda s: s.model, state, _model(DROP, par, par.mesh(), config))
     state, metrics = step(state, jnp.asarray(WINDOWS))
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
     ref_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(ref_grads)))
@@ -187,4 +188,4 @@ def test_grad_accum_and_layout_independent():
     model = _model(DROP)
     adapters = eqx.filter(to_single_device(es.gather(state.model)), lora_trainable(model))
     expected = jax.tree.map(lambda p, g: p - lr * g, eqx.filter(model, lora_trainable(model)), ref_grads)
-    assert_tree_allclose(adapters, expected)
+    assert_tree_allclose(jax.tree.leaves(adapters), jax.tree.leaves(expected))

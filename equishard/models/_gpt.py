@@ -635,9 +635,10 @@ class GPT(eqx.Module, GathersFSDP):
 
         if as_one:
             x, aux = scan_units(params, static, x, positions, segments)
-        else:
-            num_units = jax.tree.leaves(params)[0].shape[0]
-            steps = (params, jnp.arange(num_units, dtype=jnp.int32))
+        elif drop is None:
+            x, aux = jax.lax.scan(lambda x, layer: body(x, (layer, None)), x, params, unroll=_unroll(self.config))
+        else:  # each unit's index scanned beside its arrays
+            steps = (params, jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32))
             x, aux = jax.lax.scan(body, x, steps, unroll=_unroll(self.config))
         return x, jax.tree.map(lambda a: a.sum(0), aux)
 

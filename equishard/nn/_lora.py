@@ -21,7 +21,7 @@ Each adapter is split over the tensor axis as the layer it adapts:
 
 Dropout (`LoRA(dropout=p)`, PEFT's `lora_dropout`) drops the adapter's input, `scale *
 B(A(dropout(x)))`, the projection itself seeing `x` whole; each target draws its own
-mask. The mask is a counter-based hash (`equishard.core` `hash_keep`) of the step's key,
+mask. The mask is a counter-based hash (MurmurHash3's mixing) of the step's key,
 the block's global layer index, the target and each element's global coordinates: the
 example's index in the global batch, the token's position (and document), the feature's
 index in the whole activation (a row adapter's input is split over the tensor axis, a
@@ -37,6 +37,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt32
 
@@ -143,7 +144,7 @@ class LoRADropout(eqx.Module):
 
     def at(self, *where: Int[Array, ""] | int) -> "LoRADropout":
         """This draw with global coordinates (a layer index, a target) folded into the seed."""
-        seed = jax.numpy.stack([hash_bits(self.seed, *where), hash_bits(self.seed[::-1], *where)])
+        seed = jnp.stack([hash_bits(self.seed, *where), hash_bits(self.seed[::-1], *where)])
         return dataclasses.replace(self, seed=seed)
 
     def rows(self, rows: slice) -> "LoRADropout":
@@ -170,7 +171,6 @@ class LoRADropout(eqx.Module):
         - `features_axis`: the mesh axis its features are split over, or `None`.
         """
         t, f = x.shape[-2:]
-        jnp = jax.numpy
         positions, segments = self.positions, self.segments
         if tokens_axis is not None and is_bound(tokens_axis):
             start = jax.lax.axis_index(tokens_axis) * t
@@ -242,7 +242,7 @@ class LoRAAdapter(eqx.Module):
             )
         # f32[r, in] and f32[out, r] (global); the factor on the split features split too.
         a = init_weight(key, (lora.rank, in_features), "kaiming_uniform", dtype=dtype)
-        b = jax.numpy.zeros((out_features, lora.rank), a.dtype)
+        b = jnp.zeros((out_features, lora.rank), a.dtype)
         self.a = Sharded(a, P(None, axis_name) if kind == "row" else P())
         self.b = Sharded(b, P(axis_name, None) if kind == "column" else P())
         self.kind, self.alpha, self.scale, self.dropout = kind, lora.alpha, lora.scale, lora.dropout
