@@ -187,8 +187,9 @@ def test_bad_adapters_are_named():
     moe = GPT(GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=48, moe_every=2, num_experts=2), key=jax.random.key(0))
     with pytest.raises(es.LayerConfigError, match="no 'gate' projection in its mixture-of-experts blocks"):
         add_lora(moe, LoRA(4, targets=("q", "gate")), key=jax.random.key(1))
-    with pytest.raises(es.LayerConfigError, match="dropout=0.1 is not implemented"):
-        add_lora(model, LoRA(4, dropout=0.1), key=jax.random.key(1))
+    for rate in (-0.1, 1.0):
+        with pytest.raises(es.LayerConfigError, match=rf"LoRA: dropout must be in \[0, 1\), got {rate}"):
+            LoRA(4, dropout=rate)
     with pytest.raises(es.LayerConfigError, match="no LoRA adapters"):
         merge_lora(model)
 

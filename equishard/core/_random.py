@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, Key, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Bool, Int, Key, PRNGKeyArray, UInt32
 
 from ._collectives import AxisName, axis_tuple, combined_axis_size
 
@@ -96,3 +97,89 @@ def bernoulli_block(
     mask = jax.random.bernoulli(key, p, tuple(full))
     start = jax.lax.axis_index(axis_tuple(axis_name)) * shape[dim]
     return jax.lax.dynamic_slice_in_dim(mask, start, shape[dim], axis=dim)
+
+
+def _u32(value: int) -> np.uint32:
+    return np.uint32(value)
+
+
+def _rotl(x: Array, r: int) -> Array:
+    return (x << _u32(r)) | (x >> _u32(32 - r))
+
+
+def _fmix32(h: Array) -> Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of `uint32` whose every output bit
+    depends on every input bit."""
+    h = h ^ (h >> _u32(16))
+    h = h * _u32(0x85EBCA6B)
+    h = h ^ (h >> _u32(13))
+    h = h * _u32(0xC2B2AE35)
+    return h ^ (h >> _u32(16))
+
+
+def hash_seed(key: PRNGKeyArray) -> UInt32[Array, "2"]:
+    """The two words `hash_bits` starts from, drawn from `key` (any key implementation).
+
+    **Arguments:**
+
+    - `key`: a PRNG key, the same on every device (e.g. the train step's).
+
+    **Returns:**
+
+    `uint32[2]`.
+    """
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def hash_bits(seed: UInt32[Array, "2"], *coords: Int[Array, "..."] | int) -> UInt32[Array, "..."]:
+    """Random bits that are a pure function of a seed and integer coordinates.
+
+    A counter-based draw: element `e` of the result hashes `seed` with `coords[0][e],
+    coords[1][e], ...` (the coordinates broadcast against one another; MurmurHash3's
+    block mix per coordinate and its finaliser at the end). Where the coordinates are
+    *global* (an example's index in the global batch, a token's position in its
+    sequence, a feature's index in the whole activation), each device computes exactly
+    its block of the one-device draw, with no communication, whatever the mesh, the
+    micro-batches or the order in which the blocks are visited. Each coordinate is
+    broadcast only when it is mixed in: put the largest last (e.g. `example[:, None,
+    None], position[:, :, None], feature`) so that the earlier rounds run on the smaller
+    shapes.
+
+    **Arguments:**
+
+    - `seed`: `uint32[2]`, e.g. `hash_seed(key)`.
+    - `coords`: integer arrays (or Python ints) that broadcast together; their values
+      are taken modulo 2**32.
+
+    **Returns:**
+
+    `uint32` bits of the coordinates' broadcast shape, each bit 0 or 1 with probability
+    1/2 (to the quality of a 32-bit hash: enough for dropout masks, not for
+    cryptography).
+    """
+    arrays = [jnp.asarray(c) for c in coords]
+    rank = max((a.ndim for a in arrays), default=0)
+    h = seed[0]
+    for c in arrays:
+        c = c.reshape((1,) * (rank - c.ndim) + c.shape)  # ranks made equal: broadcast, not promoted
+        k = c.astype(jnp.uint32) * _u32(0xCC9E2D51)
+        k = _rotl(k, 15) * _u32(0x1B873593)
+        h = _rotl(h ^ k, 13) * _u32(5) + _u32(0xE6546B64)
+    return _fmix32(h ^ seed[1])
+
+
+def hash_keep(seed: UInt32[Array, "2"], rate: float, *coords: Int[Array, "..."] | int) -> Bool[Array, "..."]:
+    """A dropout's keep mask from `hash_bits(seed, *coords)`: each element `True` with
+    probability `1 - rate` (to within 2**-32).
+
+    **Arguments:**
+
+    - `seed`, `coords`: as `hash_bits`.
+    - `rate`: the probability of dropping, in `[0, 1)`.
+
+    **Returns:**
+
+    `bool` of the coordinates' broadcast shape.
+    """
+    threshold = _u32(min(round(float(rate) * 2.0**32), 2**32 - 1))
+    return hash_bits(seed, *coords) >= threshold

@@ -27,7 +27,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._axes import cast_varying, is_bound, varying_axes
 from .._errors import LayerConfigError
 from .._names import ALLTOALL, RING, differentiated_scan
-from ..core import from_last_stage, gather_tokens, pipeline_layer_order, zigzag_indices
+from ..core import (
+    from_last_stage,
+    gather_tokens,
+    global_index,
+    pipeline_layer_order,
+    zigzag_indices,
+)
 from ..nn import (
     FSDP,
     ColumnParallelLinear,
@@ -43,7 +49,15 @@ from ..nn import (
     remat_policy,
     vocab_parallel_cross_entropy,
 )
-from ..nn._internal import after as _after, lora_of, matmul_t, scan_units, scannable
+from ..nn._internal import (
+    LoRADropout,
+    adapter_dropout,
+    after as _after,
+    lora_of,
+    matmul_t,
+    scan_units,
+    scannable,
+)
 from ..sharding import (
     Parallelism,
     add_leading_axis,
@@ -243,11 +257,15 @@ class Unit(eqx.Module):
         ]
 
     def __call__(
-        self, x: Array, positions: Array | None = None, segment_ids: Array | None = None
-    ) -> tuple[Array, MoEAuxSum]:
+        self, x: Array, positions: Array | None = None, segment_ids: Array | None = None,
+        lora_dropout: LoRADropout | None = None,
+    ) -> tuple[Array, MoEAuxSum]:  # fmt: skip
+        """`lora_dropout`: the adapters' draw for this unit (its index folded in), each
+        block's index in the unit folded in here."""
         total = MoEAuxSum.zeros()
-        for block in self.blocks:
-            x, aux = block.call_with_aux(x, positions=positions, segment_ids=segment_ids)
+        for i, block in enumerate(self.blocks):
+            drop = None if lora_dropout is None else lora_dropout.at(i)
+            x, aux = block.call_with_aux(x, positions=positions, segment_ids=segment_ids, lora_dropout=drop)
             if aux is not None:
                 total = total + MoEAuxSum(aux.load_balancing_loss, aux.z_loss, aux.dropped)
         return x, total
@@ -259,20 +277,64 @@ class _OutputOnly(eqx.Module):
     `positions` (`[T]`, the same for every example) reaches every stage's call unchanged.
     A packed batch's per-example positions and segment ids travel with the activations
     instead (`_attach_tokens`: features past `d_model`), so each micro-batch has its own.
+    With adapter dropout (`seed`, the draw's `uint32[2]`, given), the last `_DROPOUT_FEATURES`
+    carry each example's global index and the global index of the unit it enters
+    (`_attach_ints`), which each unit advances: the layers need not know where the
+    schedule put them.
     """
 
     unit: Any
     d_model: int = eqx.field(static=True, default=0)
 
-    def __call__(self, x: Array, positions: Array | None = None) -> Array:
-        if not self.d_model or x.shape[-1] == self.d_model:
+    def __call__(self, x: Array, positions: Array | None = None, seed: Array | None = None) -> Array:
+        if seed is None and (not self.d_model or x.shape[-1] == self.d_model):
             return self.unit(x, positions)[0]
         h, carried = x[..., : self.d_model], x[..., self.d_model :]
-        doc_positions, segments = _detach_tokens(carried)
-        return jnp.concatenate([self.unit(h, doc_positions, segments)[0], carried], axis=-1)
+        tokens = carried[..., : carried.shape[-1] - (0 if seed is None else _DROPOUT_FEATURES)]
+        segments = None
+        if tokens.shape[-1]:
+            positions, segments = _detach_tokens(tokens)
+        if seed is None:
+            return jnp.concatenate([self.unit(h, positions, segments)[0], carried], axis=-1)
+        assert positions is not None  # the model passes them with a seed
+        examples, layer = _detach_ints(carried[..., tokens.shape[-1] :]).T  # int32[b] each
+        # Every example of a micro-batch enters the same unit.
+        drop = LoRADropout(seed, examples, positions, segments).at(layer[0])
+        y = self.unit(h, positions, segments, drop)[0]
+        advanced = _attach_ints(y, jnp.stack([examples, layer + 1], axis=-1))
+        return jnp.concatenate([advanced[..., : self.d_model], tokens, advanced[..., self.d_model :]], axis=-1)
 
 
 _DIGITS = 3  # base-256 digits per carried int: ids below 2**24, exact in bf16 and float16
+_DROPOUT_FEATURES = 2 * _DIGITS  # an example's global index and a unit's, in digits
+
+
+def _digits(ints: Array, dtype: Any) -> Array:
+    """`int32[..., n]` as `[..., n * _DIGITS]` base-256 digits in `dtype`, never differentiated."""
+    digits = jnp.stack([(ints >> (8 * i)) & 255 for i in range(_DIGITS)], axis=-1)  # [..., n, 3]
+    return jax.lax.stop_gradient(digits.reshape(*ints.shape[:-1], -1).astype(dtype))
+
+
+def _from_digits(carried: Array) -> Array:
+    """`_digits`' features `[..., n * _DIGITS]` back to `int32[..., n]`."""
+    digits = jnp.round(jax.lax.stop_gradient(carried).astype(jnp.float32)).astype(jnp.int32)
+    digits = digits.reshape(*carried.shape[:-1], -1, _DIGITS)
+    ints = digits[..., 0]
+    for i in range(1, _DIGITS):
+        ints = ints | (digits[..., i] << (8 * i))
+    return ints
+
+
+def _attach_ints(x: Array, ints: Array) -> Array:
+    """`x` `[b, t, D]` with `int32[b, n]`, one row per example (below 2**24), appended as
+    features `[b, t, D + n * _DIGITS]` (the same at every token)."""
+    carried = jnp.broadcast_to(_digits(ints, x.dtype)[:, None, :], (*x.shape[:2], ints.shape[-1] * _DIGITS))
+    return jnp.concatenate([x, cast_varying(carried, varying_axes(x))], axis=-1)
+
+
+def _detach_ints(carried: Array) -> Array:
+    """`_attach_ints`' appended features `[b, t, n * _DIGITS]` back to `int32[b, n]`."""
+    return _from_digits(carried[:, 0, :])
 
 
 def _attach_tokens(x: Array, positions: Array, segments: Array) -> Array:
@@ -286,19 +348,13 @@ def _attach_tokens(x: Array, positions: Array, segments: Array) -> Array:
             f"sequences of {positions.shape[-1]} tokens need more."
         )
     ints = jnp.stack([positions, segments], axis=-1).astype(jnp.int32)  # i32[b, T, 2]
-    digits = jnp.stack([(ints >> (8 * i)) & 255 for i in range(_DIGITS)], axis=-1)  # [b, T, 2, 3]
-    carried = jax.lax.stop_gradient(digits.reshape(b, t, -1).astype(x.dtype))  # [b, t, 6 T / t]
+    carried = _digits(ints, x.dtype).reshape(b, t, -1)  # [b, T, 2 * 3] -> [b, t, 6 T / t]
     return jnp.concatenate([x, cast_varying(carried, varying_axes(x))], axis=-1)
 
 
 def _detach_tokens(carried: Array) -> tuple[Array, Array]:
     """`_attach_tokens`' appended features back to int32 positions and segment ids `[b, T]`."""
-    b = carried.shape[0]
-    digits = jnp.round(jax.lax.stop_gradient(carried).astype(jnp.float32)).astype(jnp.int32)
-    digits = digits.reshape(b, -1, 2, _DIGITS)
-    ints = digits[..., 0]
-    for i in range(1, _DIGITS):
-        ints = ints | (digits[..., i] << (8 * i))  # i32[b, T, 2]
+    ints = _from_digits(carried.reshape(carried.shape[0], -1, 2 * _DIGITS))  # i32[b, T, 2]
     return ints[..., 0], ints[..., 1]
 
 
@@ -498,57 +554,32 @@ class GPT(eqx.Module, GathersFSDP):
         ids: Int[Array, "batch seq"],
         positions: Int[Array, "batch seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        index: Int[Array, " examples"] | None = None,
     ) -> tuple[Array, MoEAuxSum]:
         """The final hidden states `[batch, seq(/tp), d_model]` and the MoE statistics.
 
         `positions`: the tokens' global positions (required with a context axis, where
         `ids` is this device's part of the sequence); default `0, 1, ...`. With
         `segment_ids` (packed documents: attention stays inside each), each token's
-        position in its document.
+        position in its document. `key`, `index`: the LoRA adapters' dropout, as `loss`
+        takes them (`key=None`: none).
         """
         if self.parallelism.context and positions is None:
             raise LayerConfigError(
                 f"GPT: the sequence is split over the context axis {self.parallelism.context!r}; "
                 f"give the batch as token_batch(windows, cp) (inputs, labels and positions)."
             )
+        drop = self._lora_dropout(key, index, ids, positions, segment_ids)
         # The table's gradient is reduce-scattered over fsdp by the gather's transpose;
         # the lookup's backward is a scatter-add that needs no table.
         x = self._gathered(self.embed, ids)(ids)
         if self.parallelism.pipeline:
-            if segment_ids is not None:
-                assert positions is not None
-                # Each micro-batch's positions and segment ids travel with its activations.
-                y = self.units(_attach_tokens(x, positions, segment_ids))
-                return y[..., : self.config.d_model], MoEAuxSum.zeros()
-            # Every stage's layers get the positions row: int32[T/cp] (every example's is
-            # the same, see `token_batch`), whatever micro-batch they run.
-            return self.units(x, *_position_row(positions)), MoEAuxSum.zeros()
-        params, static = eqx.partition(self.units, eqx.is_array)
-        call = _remat(lambda unit, x, positions, segments: unit(x, positions, segments), self.config)
-        # Regathering FSDP units without a remat policy, dense and on one context shard,
-        # keep only top-level tensor-parallel collectives: their scan is differentiated
-        # as one (`scan_units`, the same values and gradients, traced in fewer passes).
-        as_one = (
-            remat_policy(self.config.remat, offload=self.config.remat_offload) is None
-            and not self.config.moe_every
-            and not self.parallelism.context
-            and scannable(params, static, x)
-        )
-
-        def blocks(x: Array, params: Any, positions: Array | None, segments: Array | None) -> tuple[Array, MoEAuxSum]:
-            def body(x: Array, layer: Any) -> tuple[Array, MoEAuxSum]:
-                unit = drop_leading_axis(eqx.combine(layer, static))
-                return call(unit, x, positions, segments)
-
-            if as_one:
-                x, aux = scan_units(params, static, x, positions, segments)
-            else:
-                x, aux = jax.lax.scan(body, x, params, unroll=_unroll(self.config))
-            return x, jax.tree.map(lambda a: a.sum(0), aux)
-
+            return self._pipelined(x, positions, segment_ids, drop), MoEAuxSum.zeros()
         chunks = self.config.batch_chunks
         if chunks == 1:
-            return blocks(x, params, positions, segment_ids)
+            return self._blocks(x, self.units, positions, segment_ids, drop)
         batch = x.shape[0]
         if batch % chunks:
             raise LayerConfigError(
@@ -558,13 +589,80 @@ class GPT(eqx.Module, GathersFSDP):
         # Cast once to vary like the activations: the gradients of the parameters
         # replicated over an axis (the norms' scales; over dp all of them) are then
         # summed over it once for all the pieces, not once per piece.
-        params = cast_varying(params, varying_axes(x))
+        params, static = eqx.partition(self.units, eqx.is_array)
+        units = eqx.combine(cast_varying(params, varying_axes(x)), static)
         size = batch // chunks
         pieces = [slice(i * size, (i + 1) * size) for i in range(chunks)]
         piece = lambda a, p: None if a is None else a[p]  # noqa: E731
-        outs = [blocks(x[p], params, piece(positions, p), piece(segment_ids, p))[0] for p in pieces]
+        outs = [
+            self._blocks(x[p], units, piece(positions, p), piece(segment_ids, p), None if drop is None else drop.rows(p))[0]
+            for p in pieces
+        ]
         # No MoE layers here (`_check`): their statistics are zero.
         return jnp.concatenate(outs, axis=0), MoEAuxSum.zeros()
+
+    def _pipelined(
+        self, x: Array, positions: Array | None, segment_ids: Array | None, drop: LoRADropout | None
+    ) -> Array:
+        """The pipeline's output `[B, T(/tp), D]` from the embeddings `x`: what each
+        micro-batch needs of the batch travels with its activations (`_OutputOnly`)."""
+        examples = None if drop is None else drop.examples
+        y = self.units(_entering(x, positions, segment_ids, examples), *_stage_args(positions, segment_ids, drop))
+        return y if y.shape[-1] == self.config.d_model else y[..., : self.config.d_model]
+
+    def _blocks(
+        self, x: Array, units: Any, positions: Array | None, segments: Array | None, drop: LoRADropout | None
+    ) -> tuple[Array, MoEAuxSum]:
+        """The stacked units (no pipeline) on `x`: the hidden states and the MoE statistics."""
+        params, static = eqx.partition(units, eqx.is_array)
+        call = _remat(lambda unit, x, positions, segments, drop: unit(x, positions, segments, drop), self.config)
+        # Regathering FSDP units without a remat policy, dense and on one context shard,
+        # keep only top-level tensor-parallel collectives: their scan is differentiated
+        # as one (`scan_units`, the same values and gradients, traced in fewer passes).
+        # Not with adapter dropout, whose draw needs each unit's index.
+        as_one = (
+            remat_policy(self.config.remat, offload=self.config.remat_offload) is None
+            and not self.config.moe_every
+            and not self.parallelism.context
+            and drop is None
+            and scannable(params, static, x)
+        )
+
+        def body(x: Array, layer_and_index: Any) -> tuple[Array, MoEAuxSum]:
+            layer, i = layer_and_index
+            unit = drop_leading_axis(eqx.combine(layer, static))
+            return call(unit, x, positions, segments, None if drop is None else drop.at(i))
+
+        if as_one:
+            x, aux = scan_units(params, static, x, positions, segments)
+        elif drop is None:
+            x, aux = jax.lax.scan(lambda x, layer: body(x, (layer, None)), x, params, unroll=_unroll(self.config))
+        else:  # each unit's index scanned beside its arrays
+            steps = (params, jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32))
+            x, aux = jax.lax.scan(body, x, steps, unroll=_unroll(self.config))
+        return x, jax.tree.map(lambda a: a.sum(0), aux)
+
+    def _lora_dropout(
+        self, key: PRNGKeyArray | None, index: Array | None, ids: Array, positions: Array | None,
+        segments: Array | None,
+    ) -> LoRADropout | None:  # fmt: skip
+        """The adapters' dropout draw for the local batch `ids` `[B, T]` (`None`: no key,
+        or no adapter with dropout). `index` defaults to the examples' places in the
+        global batch split over the data axes (that of a step without micro-steps)."""
+        if key is None or not adapter_dropout(self.units):
+            return None
+        batch, seq = ids.shape
+        if index is None:
+            axes = tuple(a for a in self.parallelism.data_axes if is_bound(a))
+            index = global_index(batch, axes or None)
+        if index.shape != (batch,):
+            raise LayerConfigError(
+                f"GPT: index has shape {index.shape}; it must hold the global index of each of "
+                f"the {batch} local examples (int32[{batch}])."
+            )
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), ids.shape)
+        return LoRADropout.from_key(key, index.astype(jnp.int32), positions, segments)
 
     def logits(self, h: Array) -> Float[Array, "batch seq vocab_local"]:
         """Logits split over the vocabulary on the tensor axis: `[batch, seq, V/tp]`."""
@@ -655,7 +753,7 @@ class GPT(eqx.Module, GathersFSDP):
 
     def _scheduled_loss(
         self, ids: Array, labels: Array, positions: Array | None = None,
-        segments: Array | None = None, packed: bool = False,
+        segments: Array | None = None, packed: bool = False, drop: LoRADropout | None = None,
     ) -> tuple[Array, dict[str, Array]]:  # fmt: skip
         """The loss with an explicit pipeline schedule (1F1B, interleaved 1F1B, ZB-H1).
 
@@ -664,7 +762,8 @@ class GPT(eqx.Module, GathersFSDP):
         (`PipelineModule.loss`); their gradients leave the pipeline per micro-batch. A
         packed batch's micro-batches carry their positions and segment ids with their
         activations, and each one's loss is its labelled tokens' sum over the global
-        count (known before the schedule).
+        count (known before the schedule). With adapter dropout (`drop`), each example's
+        global index travels with its activations too.
         """
         par = self.parallelism
         mean_axes = (*par.data_axes, *((par.context,) if par.context else ()))
@@ -685,10 +784,9 @@ class GPT(eqx.Module, GathersFSDP):
         tail_arrays, tail_static = eqx.partition(tail, eqx.is_array)
 
         def first(arrays: Any, inputs_m: Any) -> Array:
-            if segments is None:
-                return eqx.combine(arrays, embed_static)(inputs_m)  # f32[b, T(/tp), D]
-            ids_m, positions_m, segments_m = inputs_m
-            return _attach_tokens(eqx.combine(arrays, embed_static)(ids_m), positions_m, segments_m)
+            ids_m, positions_m, segments_m, examples_m = inputs_m
+            # f32[b, T(/tp), D], with what the micro-batch carries appended
+            return _entering(eqx.combine(arrays, embed_static)(ids_m), positions_m, segments_m, examples_m)
 
         def last(arrays: Any, h: Array, targets_m: Any) -> Array:
             norm, head, table = eqx.combine(arrays, tail_static)
@@ -707,18 +805,19 @@ class GPT(eqx.Module, GathersFSDP):
             count = jax.lax.psum(count, mean_axes) if mean_axes else count
             scale = self.units.num_microbatches / jnp.maximum(count, 1).astype(jnp.float32)
             targets = (labels, jnp.broadcast_to(scale, labels.shape[:1]))
+        inputs = (ids, None if segments is None else positions, segments, None if drop is None else drop.examples)
         ce = self.units.loss(
-            ids if segments is None else (ids, positions, segments), targets, first=first,
-            first_params=embed_arrays, last=last, last_params=tail_arrays,
-            layer_args=_position_row(positions) if segments is None else (),
+            inputs, targets, first=first, first_params=embed_arrays, last=last,
+            last_params=tail_arrays, layer_args=_stage_args(positions, segments, drop),
         )  # fmt: skip
         if mean_axes:
             ce = jax.lax.psum(ce, mean_axes) if packed else jax.lax.pmean(ce, mean_axes)
         return ce, {"cross_entropy": ce}
 
     def loss(
-        self, batch: Int[Array, "batch seq_plus_one"] | dict[str, Array], key: PRNGKeyArray | None = None
-    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        self, batch: Int[Array, "batch seq_plus_one"] | dict[str, Array], key: PRNGKeyArray | None = None,
+        *, index: Int[Array, " examples"] | None = None,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:  # fmt: skip
         """The global next-token loss of a local batch (to differentiate), and metrics.
 
         **Arguments:**
@@ -728,7 +827,15 @@ class GPT(eqx.Module, GathersFSDP):
           `positions`, each `int32[B/data, T/cp]`), which a context axis needs, or a
           packed batch of documents (`equishard.train.pack_windows`: also
           `segment_ids` and `document_positions`; see `GPTConfig.document_masking`).
-        - `key`: unused (the model has no dropout); kept for `make_train_step`.
+        - `key`: the step's key (the same on every device), for the LoRA adapters'
+          dropout (`LoRA(dropout=p)`); `None` (evaluation): no dropout. Unused by a model
+          without adapter dropout.
+        - `index`: `int32[B/data]`, the global indices of the local examples in the
+          step's batch, which the dropout masks are drawn by (`make_train_step` gives a
+          loss function that takes `index` these: pass them on, and the masks are the
+          one-device masks under every layout and `grad_accum`). `None`: the examples'
+          places in the global batch split over the data axes, right without
+          accumulation micro-steps.
 
         **Returns:**
 
@@ -736,15 +843,15 @@ class GPT(eqx.Module, GathersFSDP):
         auxiliary losses, averaged over the global batch (a packed batch: over its
         labelled tokens); metrics are global scalars.
         """
-        del key
         par = self.parallelism
         ids, labels, positions, segments, packed = _batch_fields(self.config, par, batch)
         if isinstance(self.units, PipelineModule) and self.units.explicit:
             if par.context and positions is None:
                 self.hidden(ids, positions)  # raises: the context axis needs positions
-            return self._scheduled_loss(ids, labels, positions, segments, packed)
+            drop = self._lora_dropout(key, index, ids, positions, segments)
+            return self._scheduled_loss(ids, labels, positions, segments, packed, drop)
         model = self._tie_varying(ids) if self.config.tied else self
-        h, aux = model.hidden(ids, positions, segments)
+        h, aux = model.hidden(ids, positions, segments, key=key, index=index)
         if packed:
             return model._packed_loss(h, labels, aux)
         ce = model._cross_entropy(h, labels)
@@ -843,6 +950,27 @@ def _batch_fields(
     if config.document_masking:
         return ids, labels, batch["document_positions"], batch["segment_ids"], True
     return ids, labels, positions, None, True
+
+
+def _entering(x: Array, positions: Array | None, segments: Array | None, examples: Array | None) -> Array:
+    """The embeddings `x` `[b, t, D]` as they enter a pipeline: with a packed batch's
+    positions and segment ids (`_attach_tokens`), then with adapter dropout the
+    examples' global indices and the first unit's index, 0 (`_attach_ints`), appended."""
+    if segments is not None:
+        assert positions is not None
+        x = _attach_tokens(x, positions, segments)
+    if examples is not None:
+        x = _attach_ints(x, jnp.stack([examples, jnp.zeros_like(examples)], axis=-1))
+    return x
+
+
+def _stage_args(positions: Array | None, segments: Array | None, drop: LoRADropout | None) -> tuple[Any, ...]:
+    """The arguments every pipeline layer call gets (`_OutputOnly`): the positions row
+    (none for a packed batch, whose micro-batches carry theirs) and with adapter dropout
+    the draw's seed (the positions row then always given)."""
+    if drop is None:
+        return _position_row(positions) if segments is None else ()
+    return ((drop.positions[0],) if segments is None else (None,)) + (drop.seed,)
 
 
 def _position_row(positions: Array | None) -> tuple[Array, ...]:

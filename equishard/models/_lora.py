@@ -119,8 +119,8 @@ def add_lora(model: GPT, lora: LoRA, *, key: PRNGKeyArray) -> GPT:
     **Raises:**
 
     `LayerConfigError` naming a target the model lacks (gate, up or down on a
-    mixture-of-experts model), a rank above a layer's width, dropout, or a model that
-    has adapters already.
+    mixture-of-experts model), a rank above a layer's width, or a model that has
+    adapters already.
     """
     _check_gpt(model, "add_lora")
     present = lora_of(model)
@@ -361,8 +361,9 @@ def export_peft(model: GPT, folder: str, *, base_model_name_or_path: str, dtype:
 def read_peft_config(folder: str) -> LoRA:
     """The `LoRA` of the PEFT adapter folder `folder` (its `adapter_config.json`).
 
-    The file's `lora_dropout` (an option of training with PEFT) is not kept: the GPT's
-    adapters have no dropout.
+    The file's `lora_dropout` (an option of training with PEFT) is not kept: the adapters
+    are read without dropout (to train them with some, load them onto a model whose
+    adapters `add_lora` made with it).
 
     **Raises:**
 

@@ -8,4 +8,8 @@ from ._fsdp_scan import (
     scannable as scannable,
 )
 from ._linear import matmul_t as matmul_t
-from ._lora import lora_of as lora_of
+from ._lora import (
+    LoRADropout as LoRADropout,
+    adapter_dropout as adapter_dropout,
+    lora_of as lora_of,
+)

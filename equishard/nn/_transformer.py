@@ -65,6 +65,7 @@ from ._lora import (
     MLP_TARGETS,
     LoRA,
     LoRAAdapter,
+    LoRADropout,
     adapted,
     adapted_row,
     attention_adapters,
@@ -578,12 +579,12 @@ class ParallelAttention(eqx.Module):
             )
 
     def qkv_heads(
-        self, x: Float[Array, "... tokens d_model"]
+        self, x: Float[Array, "... tokens d_model"], lora_dropout: LoRADropout | None = None
     ) -> tuple[Array, Array, Array]:
         """This device's queries `[..., T, H/n, hd]` and keys, values `[..., T, Hkv_local, hd]`.
 
         `Hkv_local` is `n_kv_heads / n`, or 1 when the axis outnumbers the key/value
-        heads. No rotary embedding is applied.
+        heads. No rotary embedding is applied. `lora_dropout`: as `__call__`'s.
         """
         n = axis_size(self.axis_name)
         self._check_axis(n)
@@ -595,7 +596,7 @@ class ParallelAttention(eqx.Module):
             # product each (`split`: no concatenation of their gradients).
             parts = self.qkv.split(x)
             if self.lora is not None:
-                parts = tuple(adapted(self.lora, t, y, x0) for t, y in zip(("q", "k", "v"), parts))
+                parts = tuple(adapted(self.lora, t, y, x0, lora_dropout) for t, y in zip(("q", "k", "v"), parts))
             q, k, v = (checkpoint_name(y, QKV_PROJ).reshape(*y.shape[:-1], heads, head_dim) for y in parts)
             return q, k, v
         assert self.q is not None and self.kv is not None
@@ -609,7 +610,7 @@ class ParallelAttention(eqx.Module):
         # f32[..., T, D] @ f32[D, D/n] -> f32[..., T, H/n, hd]
         q, kv = self.q(x), self.kv(x)
         if self.lora is not None:
-            q, kv = adapted(self.lora, "q", q, x0), self._adapted_kv(kv, x0)
+            q, kv = adapted(self.lora, "q", q, x0, lora_dropout), self._adapted_kv(kv, x0, lora_dropout)
         q = checkpoint_name(q, QKV_PROJ)
         q = q.reshape(*q.shape[:-1], heads, head_dim)
         # f32[..., T, D] @ f32[D, 2 Hkv_local hd] -> f32[..., T, 2, Hkv_local, hd]
@@ -617,11 +618,12 @@ class ParallelAttention(eqx.Module):
         kv = kv.reshape(*kv.shape[:-1], 2, -1, head_dim)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
 
-    def _adapted_kv(self, kv: Array, x: Array) -> Array:
+    def _adapted_kv(self, kv: Array, x: Array, lora_dropout: LoRADropout | None = None) -> Array:
         """The key/value projection's output `[..., T, 2 h hd]` (keys, then values) with
         the k and v adapters' additions for the same heads."""
         k, v = jnp.split(kv, 2, axis=-1)
-        return jnp.concatenate([adapted(self.lora, "k", k, x), adapted(self.lora, "v", v, x)], axis=-1)
+        k, v = adapted(self.lora, "k", k, x, lora_dropout), adapted(self.lora, "v", v, x, lora_dropout)
+        return jnp.concatenate([k, v], axis=-1)
 
     def __call__(
         self,
@@ -630,6 +632,7 @@ class ParallelAttention(eqx.Module):
         positions: Int[Array, "... seq"] | None = None,
         segment_ids: Int[Array, "... seq"] | None = None,
         key: PRNGKeyArray | None = None,
+        lora_dropout: LoRADropout | None = None,
     ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
@@ -645,12 +648,14 @@ class ParallelAttention(eqx.Module):
           one document.
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
+        - `lora_dropout`: the draw of the adapters' dropout masks for this layer
+          (`x` is then `[B, T(/n), d_model]`; see `LoRA`), or `None`: no dropout.
 
         **Returns:**
 
         The attention output, laid out like `x`.
         """
-        q, k, v = self.qkv_heads(x)
+        q, k, v = self.qkv_heads(x, lora_dropout)
         if self.rotary:
             # One table, f32[..., T, 1, hd/2] each, broadcast once for q and k alike.
             table = _rotary_table(q.shape[-3], q.shape[-1], self.rotary_base, positions, self.rotary_scaling)
@@ -672,7 +677,7 @@ class ParallelAttention(eqx.Module):
             out = attention_kernel(q, k, v, mask=AttentionMask(True, positions, positions, segment_ids, segment_ids))
         out = checkpoint_name(out.reshape(*out.shape[:-2], -1), CONTEXT)
         # f32[..., T, D/n] @ f32[D/n, D] -> f32[..., T(/n), D]
-        return checkpoint_name(adapted_row(self.lora, "o", self.proj(out), out), OUT_PROJ)
+        return checkpoint_name(adapted_row(self.lora, "o", self.proj(out), out, lora_dropout), OUT_PROJ)
 
     def cached(
         self,
@@ -885,32 +890,36 @@ class ParallelMLP(eqx.Module):
         self.style = style
 
     def __call__(
-        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "... tokens d_model"]:
+        self, x: Float[Array, "... tokens d_model"], *, key: PRNGKeyArray | None = None,
+        lora_dropout: LoRADropout | None = None,
+    ) -> Float[Array, "... tokens d_model"]:  # fmt: skip
         """**Arguments:**
 
         - `x`: `[..., T, d_model]` ("megatron") or `[..., T/n, d_model]` ("sequence").
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
+        - `lora_dropout`: the draw of the adapters' dropout masks for this layer (as
+          `ParallelAttention`'s), or `None`: no dropout.
 
         **Returns:**
 
         `[..., T(/n), d_model]`, laid out like `x`.
         """
+        drop = lora_dropout
         if self.swiglu:
             # f32[..., T(/n), D] -> gate, up f32[..., T, F/n]: one product each against
             # this device's gate block and up block of the stride-2 weight (`split`: no
             # concatenation of their gradients in the backward pass).
             gate, up = self.up.split(x)
-            gate, up = adapted(self.lora, "gate", gate, x), adapted(self.lora, "up", up, x)
+            gate, up = adapted(self.lora, "gate", gate, x, drop), adapted(self.lora, "up", up, x, drop)
             gate, up = checkpoint_name(gate, MLP_IN), checkpoint_name(up, MLP_IN)
             # silu(gate) as `jax.nn.silu` computes it, unstaged (that one is a nested jit).
             h = gate * jax.lax.logistic(gate) * up
         else:
             # f32[..., T(/n), D] -> f32[..., T, F/n]
-            h = self.activation(checkpoint_name(adapted(self.lora, "up", self.up(x), x), MLP_IN))
+            h = self.activation(checkpoint_name(adapted(self.lora, "up", self.up(x), x, drop), MLP_IN))
         # f32[..., T, F/n] @ f32[F/n, D] -> f32[..., T(/n), D]
-        return checkpoint_name(adapted_row(self.lora, "down", self.down(h), h), MLP_OUT)
+        return checkpoint_name(adapted_row(self.lora, "down", self.down(h), h, drop), MLP_OUT)
 
 
 class TransformerBlock(eqx.Module):
@@ -1005,6 +1014,7 @@ class TransformerBlock(eqx.Module):
         positions: Int[Array, "... seq"] | None = None,
         segment_ids: Int[Array, "... seq"] | None = None,
         key: PRNGKeyArray | None = None,
+        lora_dropout: LoRADropout | None = None,
     ) -> Float[Array, "... tokens d_model"]:
         """**Arguments:**
 
@@ -1014,6 +1024,8 @@ class TransformerBlock(eqx.Module):
         - `segment_ids`: the tokens' documents (see `ParallelAttention`).
         - `key`: ignored (the layer is deterministic); keyword-only, so the layer
           composes with `eqx.nn.Sequential` like Equinox's own layers.
+        - `lora_dropout`: the draw of the adapters' dropout masks for this block (see
+          `ParallelAttention`), or `None`: no dropout.
 
         **Returns:**
 
@@ -1029,7 +1041,7 @@ class TransformerBlock(eqx.Module):
                 "TransformerBlock: this block's feed-forward layer is an MoE, whose "
                 "auxiliary losses a plain call would drop; call block.call_with_aux(x)."
             )
-        return self.call_with_aux(x, positions=positions, segment_ids=segment_ids)[0]
+        return self.call_with_aux(x, positions=positions, segment_ids=segment_ids, lora_dropout=lora_dropout)[0]
 
     def call_with_aux(
         self,
@@ -1037,25 +1049,26 @@ class TransformerBlock(eqx.Module):
         *,
         positions: Int[Array, "... seq"] | None = None,
         segment_ids: Int[Array, "... seq"] | None = None,
+        lora_dropout: LoRADropout | None = None,
     ) -> tuple[Float[Array, "... tokens d_model"], MoEAux | None]:
         """The block's output and, with an MoE layer, its `MoEAux` (else `None`).
 
         **Arguments:**
 
         - `x`: as for `__call__` (`[batch, seq/ep, d_model]` with an MoE layer).
-        - `positions`, `segment_ids`: as for `__call__`.
+        - `positions`, `segment_ids`, `lora_dropout`: as for `__call__`.
 
         **Returns:**
 
         `(y, aux)`: the block's output laid out like `x`, and the MoE layer's
         auxiliary losses and statistics or `None`.
         """
-        x = x + self.attn(self.norm1(x), positions=positions, segment_ids=segment_ids)
+        x = x + self.attn(self.norm1(x), positions=positions, segment_ids=segment_ids, lora_dropout=lora_dropout)
         h = self.norm2(x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(h)
             return x + y, aux
-        return x + self.mlp(h), None
+        return x + self.mlp(h, lora_dropout=lora_dropout), None
 
     def cached(
         self,
