@@ -39,7 +39,8 @@ def lora_run(tmp_path_factory) -> dict[str, pathlib.Path]:
     assert main(["tokenize", str(pairs), "--out", str(tmp / "tok"), "--tokenizer", str(hf)]) == 0
     run = tmp / "run"
     argv = ["train", "--init-from", str(hf), "--data", str(tmp / "tok"), "--lora-rank", "4",
-            "--lora-targets", "q,v,down", "--lr", "1e-2", "--batch-size", "8", "--seq-len", "16",
+            "--lora-targets", "q,v,down", "--lora-dropout", "0.1", "--grad-accum", "2", "--lr", "1e-2",
+            "--batch-size", "8", "--seq-len", "16",
             "--layout", LAYOUT, "--checkpoint-every", "2", "--eval-every", "3", "--eval-batches", "1",
             "--sample-bytes", "0", "--no-progress", "--no-plot", "--no-tensorboard", "--run-dir", str(run)]  # fmt: skip
     assert main([*argv, "--steps", "3"]) == 0

@@ -146,8 +146,10 @@ def gpt_training(
     def make_model(key: PRNGKeyArray) -> GPT:
         return cast_floating(GPT(config, par, key=key, lora=lora), param_dtype)
 
-    def gpt_loss(model: GPT, batch: Any, key: Any) -> Any:
-        return model.loss(batch, key)
+    def gpt_loss(model: GPT, batch: Any, key: Any, *, index: Any = None) -> Any:
+        # The examples' global indices: adapter dropout's masks are the same on every
+        # layout and under any `grad_accum` (the step passes them; `None`: no micro-steps).
+        return model.loss(batch, key, index=index)
 
     opt_sharding = ZeRO1(layout.zero, min_weight_size=par.fsdp_min_weight_size) if layout.zero else None
     step = make_train_step(
