@@ -18,6 +18,11 @@ What a process reads is its share of the files and no more, counted in the kerne
   array is read in a split along the dimension that varies slowest in the files (each
   process a contiguous share of the same size) and its blocks then move between the
   devices to the layout's sharding (`_read_sharding`).
+- In a one-process load such an array is read whole, in long runs, once (its blocks'
+  union: every block is this process's), and each block placed from it
+  (`_whole_if_short`): reading the columns block by block through memory maps took twice
+  as long as reading the files (`benchmarks/RESULTS.md`), and the host holds one array
+  beside the model at most.
 - The files' headers are parsed and validated here as `safetensors` validates them
   (`_file_tensors` says why it does not open them).
 
@@ -225,7 +230,7 @@ def _min_run(source: Source, index: Index, tensors: Mapping[str, TensorInfo]) ->
     `source` takes (`inf` if it reads nothing)."""
     if isinstance(source, Tensor):
         info = tensors[source.name]
-        return _run_elements(info.shape, index)[1] * np.dtype(_DTYPES[info.dtype]).itemsize
+        return float(_run_elements(info.shape, index)[1] * np.dtype(_DTYPES[info.dtype]).itemsize)
     if isinstance(source, Stacked):
         picked = range(len(source.parts))[index[0]]
         return min((_min_run(source.parts[i], index[1:], tensors) for i in picked), default=np.inf)
@@ -248,6 +253,22 @@ def _blocks(sharding: NamedSharding, shape: tuple[int, ...], addressable: bool) 
     where = sharding.addressable_devices_indices_map(shape) if addressable else sharding.devices_indices_map(shape)
     full = tuple(slice(None) for _ in shape)
     return {d: tuple(slice(*s.indices(n)) for s, n in zip(i or full, shape)) for d, i in where.items()}
+
+
+def _whole_if_short(
+    source: Source, sharding: NamedSharding, shape: tuple[int, ...], tensors: Mapping[str, TensorInfo],
+    read: Callable[[str, Index], np.ndarray], shapes: Mapping[str, tuple[int, ...]],
+) -> np.ndarray | None:
+    """In a one-process load, an array whose blocks cut the files into runs shorter than
+    `RUN_BYTES` (columns of a row-major tensor), read whole by positional reads (its bytes
+    once, in long runs; the host holds one array beside the model while its blocks are
+    placed); `None` for another array, read block by block."""
+    if jax.process_count() != 1 or not shape:
+        return None
+    distinct = {tuple((s.start, s.stop) for s in i): i for i in _blocks(sharding, shape, True).values()}
+    if len(distinct) == 1 or min(_min_run(source, i, tensors) for i in distinct.values()) >= RUN_BYTES:
+        return None
+    return _read(source, tuple(slice(0, n) for n in shape), read, shapes)
 
 
 def _read_sharding(
@@ -570,7 +591,8 @@ def load_safetensors(
     `skeleton` with every array a `jax.Array` on `mesh`. Each process reads only the
     blocks of its own devices, or, for an array whose blocks would have the processes
     read the same pages of the files, a contiguous share of the array's bytes of the same
-    size, the devices exchanging the blocks afterwards.
+    size, the devices exchanging the blocks afterwards; one process reads such an array
+    whole (all its blocks are its own), once.
 
     **Raises:**
 
@@ -594,10 +616,12 @@ def load_safetensors(
         # devices share is read once.
         placed: dict[Any, list[jax.Array]] = {}
         blocks = []
+        whole = _whole_if_short(mapping[path], sharding, shape, tensors, read, shapes)
         for device, index in _blocks(split or sharding, shape, True).items():
             key = tuple((s.start, s.stop) for s in index)
             if key not in placed:
-                data = _read(mapping[path], index, read, shapes).astype(dtype, copy=False)
+                block = _read(mapping[path], index, read, shapes) if whole is None else whole[index]
+                data = block.astype(dtype, copy=False)
                 placed[key] = [jax.device_put(data, device)]
                 del data
             else:
