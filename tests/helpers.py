@@ -124,6 +124,32 @@ def dot_result_shapes(text: str) -> list[str]:
     return re.findall(r"= (\w+\[[\d,]*\])\{?[^ ]* dot\(", text)
 
 
+def one_device_training(model, trained, optimizer, batches, *, clip_norm: float | None = None):
+    """Plain JAX and optax on one device, the reference of a step that trains part of a
+    model: the floating arrays `trained` marks (an `eqx.partition` filter spec) trained,
+    the rest constants of `model.loss(batch)[0]`. `(losses, final model)`."""
+    import optax
+
+    train, frozen = eqx.partition(model, trained)
+    train = eqx.filter(train, eqx.is_inexact_array)
+    frozen = eqx.combine(frozen, eqx.filter(model, lambda x: not eqx.is_inexact_array(x)))
+    opt_state = optimizer.init(train)
+
+    @eqx.filter_jit
+    def one(train, opt_state, batch):
+        loss, grads = eqx.filter_value_and_grad(lambda t: eqx.combine(t, frozen).loss(batch)[0])(train)
+        if clip_norm is not None:
+            grads = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())[0]
+        updates, opt_state = optimizer.update(grads, opt_state, train)
+        return loss, optax.apply_updates(train, updates), opt_state
+
+    losses = []
+    for batch in batches:
+        loss, train, opt_state = one(train, opt_state, batch)
+        losses.append(float(loss))
+    return np.array(losses), eqx.combine(train, frozen)
+
+
 def tree_allclose(a, b, rtol: float | None = None) -> bool:
     """Equality: per array ‖a−b‖/‖b‖ ≤ rtol (1e-5 fp32, 1e-2 bf16); same structure."""
     try:

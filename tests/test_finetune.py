@@ -30,7 +30,7 @@ from equishard.models import (
 from equishard.models._gpt import canonical_path, to_single_device
 from equishard.train import IGNORE_LABEL, Checkpointer, TokenFiles, base_fingerprint, pack_windows
 
-from .helpers import dot_result_shapes, tree_bytes
+from .helpers import dot_result_shapes, one_device_training, tree_bytes
 
 CONFIG = PRESETS["small"]  # d_model 192, 8 heads, 4 layers, d_ff 512, vocabulary 256
 QV = LoRA(8, alpha=16.0, targets=("q", "v"))
@@ -86,20 +86,7 @@ def reference(spec: str, lora: LoRA):
     """Plain JAX and optax on one device, from the initial model of `spec`'s run: the
     adapters trained, the rest constants. The losses of STEPS steps."""
     model = run(spec, lora)[2]
-    train, frozen = eqx.partition(model, lora_trainable(model))
-    opt_state = OPTIMIZER.init(train)
-
-    @eqx.filter_jit
-    def one(train, opt_state, batch):
-        loss, grads = eqx.filter_value_and_grad(lambda t: eqx.combine(t, frozen).loss(batch)[0])(train)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, train)
-        return loss, eqx.apply_updates(train, updates), opt_state
-
-    losses = []
-    for s in range(STEPS):
-        loss, train, opt_state = one(train, opt_state, _data(s))
-        losses.append(float(loss))
-    return np.array(losses)
+    return one_device_training(model, lora_trainable(model), OPTIMIZER, [_data(s) for s in range(STEPS)])[0]
 
 
 def _b_factors(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -32,7 +32,7 @@ from equishard.train import (
     trainable_mask,
 )
 
-from .helpers import assert_tree_allclose, dot_result_shapes, tree_bytes
+from .helpers import assert_tree_allclose, dot_result_shapes, one_device_training, tree_bytes
 
 # d_ff/tp = 80 under tp=2: the MLP matrices' local blocks, f32[80, 64] and f32[64, 80],
 # have shapes no other dot's result has (8 tokens of 4 local examples: 32 rows).
@@ -112,23 +112,9 @@ def reference():
     the trained ones only. `(losses, initial model, final model)`."""
     model = _plain(setup("dp=8")[0].model)
     spec = jax.tree_util.tree_map_with_path(lambda p, _: not frozen_path(path_str(p)), model)
-    train, frozen = eqx.partition(model, spec)
-    train = eqx.filter(train, eqx.is_inexact_array)
-    frozen = eqx.combine(frozen, eqx.filter(model, lambda x: not eqx.is_inexact_array(x)))
-    opt_state = OPTIMIZER.init(train)
-
-    @eqx.filter_jit
-    def one(train, opt_state, batch):
-        loss, grads = eqx.filter_value_and_grad(lambda t: eqx.combine(t, frozen).loss(batch)[0])(train)
-        grads = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())[0]
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, train)
-        return loss, optax.apply_updates(train, updates), opt_state
-
-    losses = []
-    for s in range(STEPS):
-        loss, train, opt_state = one(train, opt_state, _data(s))
-        losses.append(float(loss))
-    return np.array(losses), model, eqx.combine(train, frozen)
+    batches = [_data(s) for s in range(STEPS)]
+    losses, final = one_device_training(model, spec, OPTIMIZER, batches, clip_norm=1.0)
+    return losses, model, final
 
 
 def _split_named(model):
