@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
+from jax.core import Tracer
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import cast_varying, is_bound, varying_axes
@@ -1080,7 +1080,7 @@ def _canonical_units(model: GPT) -> Any:
     def reorder(a: Any) -> Any:
         if not eqx.is_array(a):
             return a
-        if isinstance(a, jax.Array) and not isinstance(a, jax_core.Tracer):
+        if isinstance(a, jax.Array) and not isinstance(a, Tracer):
             # Each device keeps its share of the stack (eager indexing would replicate it).
             return jax.jit(lambda x: x[take], out_shardings=a.sharding)(a)
         return a[take]
