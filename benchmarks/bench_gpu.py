@@ -154,15 +154,15 @@ def _one_product() -> None:
 
     mlp_call, qkv_heads = t.ParallelMLP.__call__, t.ParallelAttention.qkv_heads
 
-    def mlp(self: Any, x: Any, *, key: Any = None) -> Any:
-        if not self.swiglu:
-            return mlp_call(self, x, key=key)
+    def mlp(self: Any, x: Any, *, key: Any = None, lora_dropout: Any = None) -> Any:
+        if not self.swiglu or self.lora is not None:  # adapters: the library's own way
+            return mlp_call(self, x, key=key, lora_dropout=lora_dropout)
         gate, up = jnp.split(checkpoint_name(self.up(x), t.MLP_IN), 2, axis=-1)
         return checkpoint_name(self.down(gate * jax.lax.logistic(gate) * up), t.MLP_OUT)
 
-    def heads(self: Any, x: Any) -> Any:
-        if self.qkv is None:
-            return qkv_heads(self, x)
+    def heads(self: Any, x: Any, lora_dropout: Any = None) -> Any:
+        if self.qkv is None or self.lora is not None:
+            return qkv_heads(self, x, lora_dropout)
         n = t.axis_size(self.axis_name)
         qkv = checkpoint_name(self.qkv(x), t.QKV_PROJ)
         qkv = qkv.reshape(*qkv.shape[:-1], 3, self.n_heads // n, self.d_model // self.n_heads)
