@@ -15,6 +15,7 @@ by the caller); the directory is removed when the run ends.
 
 import atexit
 import functools
+import gc
 import importlib.metadata
 import os
 import shutil
@@ -76,3 +77,26 @@ from .helpers import getkey as _getkey  # noqa: E402
 def getkey():
     """A function returning a fresh PRNG key on each call (deterministic per test)."""
     return _getkey()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    """After each test file, drop the programs it compiled.
+
+    An xdist worker runs many files, and every program XLA:CPU compiles keeps its machine
+    code in memory maps of its own while JAX's caches hold it. A worker that kept them
+    all reached Linux's limit on a process's memory maps (`vm.max_map_count`, 65530)
+    after about 900 tests, and XLA, refused a map, crashed the worker mid-compile (an
+    abort or a segmentation fault; seen in CI, 2026-11-28). A file's tests share their
+    compiled functions (through JAX's caches and the file's own `functools.cache`s); the
+    next file starts without them.
+    """
+    yield
+    for value in list(vars(request.module).values()):
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+    if os.environ.get("EQUISHARD_TESTS_MAPS_LOG"):
+        with open("/proc/self/maps") as maps, open(os.environ["EQUISHARD_TESTS_MAPS_LOG"], "a") as log:
+            log.write(f"{os.getpid()} {request.module.__name__} {sum(1 for _ in maps)}\n")
