@@ -22,10 +22,10 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Off unless the caller turns it on (JAX_ENABLE_COMPILATION_CACHE=true): writing an
-# executable to the cache (XLA:CPU's `executable.serialize()`, JAX 0.10.2) crashed an xdist
-# worker with a segmentation fault in three CI runs of 2026-11-28 (cause not found; see
-# the CHANGELOG); a run without it took no longer (11 min against 10-11).
+# Off unless the caller turns it on (JAX_ENABLE_COMPILATION_CACHE=true): the whole suite
+# took 11:47 with it and 11:59 without (fresh clone, 2 cores, 2026-11-28), too little for
+# a disk cache's moving parts. (It was turned off after CI workers crashed in XLA while
+# writing to it; the cause was the memory-map limit below, `_release_compiled_programs`.)
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="equishard-tests-xla-cache-")

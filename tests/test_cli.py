@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -270,3 +271,31 @@ def test_importing_the_library_loads_no_application_dependency():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
+
+
+def _compiles(run: Callable[[], int]) -> int:
+    """How many programs XLA compiles while `run()` trains, from empty caches."""
+    count = []
+
+    def listen(event: str, duration_secs: float, **_: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            count.append(duration_secs)
+
+    jax.clear_caches()
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert run() == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(count)
+
+
+def test_a_longer_run_compiles_nothing_more(tmp_path):
+    # Each step, save, evaluation and log line reuses the programs of the first ones: a
+    # program compiled per step or per save would be slow and would hold its machine code
+    # in memory maps of its own for the rest of the run (a process has 65530). Last in the
+    # file: it empties JAX's caches.
+    cadence = ["--checkpoint-every", "2", "--eval-every", "2", "--log-every", "1"]
+    short = _compiles(lambda: _train(tmp_path, "short", *cadence, "--steps", "4"))
+    long = _compiles(lambda: _train(tmp_path, "long", *cadence, "--steps", "12"))
+    assert short > 0 and long == short, (short, long)
