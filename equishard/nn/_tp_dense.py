@@ -267,6 +267,9 @@ def _build_scatter_shards(
     fan_in, c = local.kernel.shape  # the local sizes: in/n, out/n
     # The global kernel f32[in, out]: mesh-invariant.
     kernel = scale_init(kernel_init, kernel_init_adjustment)(key, (fan_in * n, c * n), local.kernel.dtype)
+    # Drawn whole before it is dealt into shards: fused with the dealing, XLA:CPU (JAX
+    # 0.12) computes some draws an ulp apart from `TPDense`'s with the same key.
+    kernel = jax.lax.optimization_barrier(kernel)
     shards = {}
     for k, part in enumerate(_to_shards(kernel, n, bidirectional)):
         bias = None
