@@ -87,6 +87,17 @@ def test_pack_windows_boundaries():
     assert b["labels"].tolist() == [[IGNORE_LABEL, 6, IGNORE_LABEL, 7]]
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int64])
+def test_pack_windows_takes_the_token_files_dtypes(dtype):
+    # Token files hold uint16 or uint32 ids; the ignored labels must not wrap round to 65535.
+    w = np.array([[5, 6, EOT, 7, 8, 9, EOT, 3, 4]])
+    want = pack_windows(w.astype(np.int32), eot=EOT)
+    got = pack_windows(w.astype(dtype), eot=EOT)
+    assert {k: v.dtype for k, v in got.items()} == {k: np.dtype(np.int32) for k in want}
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert (got["labels"] == IGNORE_LABEL).sum() == 2
+
+
 def test_packed_loss_is_the_per_document_loss_on_one_device():
     model, per_doc = _reference()
     packed = pack_windows(_windows(), eot=EOT)

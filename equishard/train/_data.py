@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
-from jaxtyping import Int, Int32, Int64
+from jaxtyping import Int, Int32, Int64, Integer
 
 from .._errors import EquishardError
 from ..core import zigzag_indices
@@ -260,7 +260,7 @@ def batch_at(
 
 
 def pack_windows(
-    windows: Int[np.ndarray, "b t_plus_1"],
+    windows: Integer[np.ndarray, "b t_plus_1"],
     *,
     eot: int,
     bos: int | None = None,
@@ -280,7 +280,7 @@ def pack_windows(
 
     **Arguments:**
 
-    - `windows`: `int[b, T + 1]`.
+    - `windows`: `int[b, T + 1]` or `uint[b, T + 1]` (as token files hold them).
     - `eot`: the end-of-text token id.
     - `bos`: the beginning-of-text token id, or `None`.
     - `loss_mask`: `[b, T + 1]`, nonzero where a token is to be predicted (e.g. zero
@@ -292,7 +292,8 @@ def pack_windows(
     `{"inputs", "labels", "positions", "segment_ids", "document_positions"}`, each
     `int32[b, T]`.
     """
-    windows = np.asarray(windows)
+    # Signed: a uint16 array would turn the ignored labels' -100 into 65535.
+    windows = np.asarray(windows).astype(np.int64, copy=False)
     b, t1 = windows.shape
     t = t1 - 1
     # bool[b, T + 1]: token j starts a document.
