@@ -89,7 +89,8 @@ def _release_compiled_programs(request):
     after about 900 tests, and XLA, refused a map, crashed the worker mid-compile (an
     abort or a segmentation fault; seen in CI, 2026-11-28). A file's tests share their
     compiled functions (through JAX's caches and the file's own `functools.cache`s); the
-    next file starts without them.
+    next file starts without them. With `EQUISHARD_TESTS_MAPS_LOG=FILE` set, each file's
+    end appends the worker's pid, the file and its count of memory maps to FILE.
     """
     yield
     for value in list(vars(request.module).values()):
