@@ -86,11 +86,12 @@ def _release_compiled_programs(request):
     An xdist worker runs many files, and every program XLA:CPU compiles keeps its machine
     code in memory maps of its own while JAX's caches hold it. A worker that kept them
     all reached Linux's limit on a process's memory maps (`vm.max_map_count`, 65530)
-    after about 900 tests, and XLA, refused a map, crashed the worker mid-compile (an
-    abort or a segmentation fault; seen in CI, 2026-11-28). A file's tests share their
-    compiled functions (through JAX's caches and the file's own `functools.cache`s); the
-    next file starts without them. With `EQUISHARD_TESTS_MAPS_LOG=FILE` set, each file's
-    end appends the worker's pid, the file and its count of memory maps to FILE.
+    about 88 % of the way through the suite, and XLA, refused a map, crashed the worker
+    mid-compile (an abort or a segmentation fault; seen in CI, 2026-11-28). A file's
+    tests share their compiled functions (through JAX's caches and the file's own
+    `functools.cache`s); the next file starts without them. With
+    `EQUISHARD_TESTS_MAPS_LOG=FILE` set, each file's end appends the worker's pid, the
+    file and its count of memory maps to FILE.
     """
     yield
     for value in list(vars(request.module).values()):
